@@ -1,0 +1,40 @@
+"""The ``mixprec`` command line: one module per subcommand, registered here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import env
+
+_SUBCOMMANDS = {"env": env}
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="mixprec",
+        description="Fast, safe mixed-precision training for PyTorch.",
+        epilog="Example: mixprec env --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in _SUBCOMMANDS.items():
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``mixprec`` command line; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

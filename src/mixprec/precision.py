@@ -1,0 +1,185 @@
+"""Precision names and the policies they stand for.
+
+``resolve_precision`` is the one place where a name becomes a :class:`PrecisionPolicy`; every
+other part of mixprec (Accelerator, Trainer, CLI) goes through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .hardware import choose_auto, detect_capability
+
+__all__ = [
+    "PrecisionPolicy",
+    "PrecisionPerformanceWarning",
+    "resolve_precision",
+    "precision_names",
+    "CANONICAL_PRECISIONS",
+]
+
+
+class PrecisionPerformanceWarning(UserWarning):
+    """A precision that works here but is emulated, so it will be slow."""
+
+
+CANONICAL_PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16-true", "auto")
+
+_ALIASES = {
+    "fp32": "fp32",
+    "no": "fp32",
+    "32": "fp32",
+    "32-true": "fp32",
+    "fp32-true": "fp32",
+    "fp16-mixed": "fp16-mixed",
+    "fp16": "fp16-mixed",
+    "16": "fp16-mixed",
+    "16-mixed": "fp16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16": "bf16-mixed",
+    "bf16-true": "bf16-true",
+    "auto": "auto",
+}
+
+
+def precision_names() -> dict[str, list[str]]:
+    """Canonical precision name -> the aliases accepted for it (the canonical name included)."""
+    out: dict[str, list[str]] = {c: [] for c in CANONICAL_PRECISIONS}
+    for alias, canon in _ALIASES.items():
+        out[canon].append(alias)
+    return out
+
+
+def _valid_names_text() -> str:
+    return "; ".join(
+        f"{canon}" + (f" (aliases: {', '.join(a for a in al if a != canon)})" if len(al) > 1 else "")
+        for canon, al in precision_names().items()
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionPolicy:
+    """What a precision means for compute, storage and loss scaling.
+
+    Args:
+        name: the canonical name (``"fp32"``, ``"fp16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"``).
+        compute_dtype: the dtype matrix products run in.
+        param_dtype: the dtype the parameters are stored in.
+        optimizer_state_dtype: the dtype of the optimizer's moment buffers.
+        autocast_enabled: whether the forward runs under ``torch.autocast``.
+        needs_loss_scaler: whether a dynamic loss scaler is required (fp16's narrow range).
+        requested: the name as the user wrote it (``"auto"``, ``"fp16"``, ...).
+        reason: why this policy was chosen (filled in for ``auto``).
+
+    Example:
+        >>> policy = resolve_precision("bf16")
+        >>> with policy.autocast("cpu"):
+        ...     y = torch.ones(2, 2) @ torch.ones(2, 2)
+        >>> y.dtype
+        torch.bfloat16
+    """
+
+    name: str
+    compute_dtype: torch.dtype
+    param_dtype: torch.dtype
+    optimizer_state_dtype: torch.dtype
+    autocast_enabled: bool
+    needs_loss_scaler: bool
+    requested: str = ""
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.name not in CANONICAL_PRECISIONS or self.name == "auto":
+            raise ValueError(
+                f"PrecisionPolicy.name must be a concrete canonical name, got {self.name!r}; "
+                f"build policies with resolve_precision(name). Valid names: {_valid_names_text()}"
+            )
+
+    @property
+    def is_low_precision(self) -> bool:
+        """Whether any compute runs in a 16-bit dtype."""
+        return self.compute_dtype != torch.float32
+
+    def autocast(self, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
+        """A context manager that runs its body in this policy's compute precision on ``device``.
+
+        For policies without autocast (``fp32``, ``bf16-true``) this is a no-op context, so it
+        never disables an autocast region the caller opened outside it.
+        """
+        if not self.autocast_enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=torch.device(device).type, dtype=self.compute_dtype)
+
+
+_POLICIES = {
+    "fp32": dict(compute_dtype=torch.float32, param_dtype=torch.float32, optimizer_state_dtype=torch.float32,
+                 autocast_enabled=False, needs_loss_scaler=False),
+    "fp16-mixed": dict(compute_dtype=torch.float16, param_dtype=torch.float32,
+                       optimizer_state_dtype=torch.float32, autocast_enabled=True, needs_loss_scaler=True),
+    "bf16-mixed": dict(compute_dtype=torch.bfloat16, param_dtype=torch.float32,
+                       optimizer_state_dtype=torch.float32, autocast_enabled=True, needs_loss_scaler=False),
+    "bf16-true": dict(compute_dtype=torch.bfloat16, param_dtype=torch.bfloat16,
+                      optimizer_state_dtype=torch.float32, autocast_enabled=False, needs_loss_scaler=False),
+}
+
+
+def _canonical(name: object) -> str:
+    if isinstance(name, bool) or not isinstance(name, (str, int)):
+        raise ValueError(
+            f"precision must be a name (str), got {type(name).__name__} {name!r}. Valid names: {_valid_names_text()}"
+        )
+    key = str(name).strip().lower()
+    if key not in _ALIASES:
+        raise ValueError(f"unknown precision {name!r}. Valid names: {_valid_names_text()}")
+    return _ALIASES[key]
+
+
+def resolve_precision(name: str | PrecisionPolicy, device: str | torch.device | None = None) -> PrecisionPolicy:
+    """Turn a precision name (or alias) into a :class:`PrecisionPolicy` for ``device``.
+
+    ``"auto"`` picks the fastest safe precision the device offers and records why in
+    ``policy.reason``. A precision that works but is emulated on ``device`` (bf16 without native
+    support, fp16 on a CPU without AMX-FP16) warns once with a
+    :class:`PrecisionPerformanceWarning` that names the missing instruction set or capability.
+
+    Args:
+        name: a canonical name or alias (see the table in the README), or a policy (returned as is).
+        device: the device the run will use; ``None`` means the default device. Only needed to
+            resolve ``"auto"`` and to warn about emulation.
+
+    Raises:
+        ValueError: for an unknown name, listing every valid name and alias; for a precision the
+            device cannot run at all.
+
+    Example:
+        >>> resolve_precision("fp16").name
+        'fp16-mixed'
+    """
+    if isinstance(name, PrecisionPolicy):
+        return name
+    canon = _canonical(name)
+    requested = str(name)
+    reason = ""
+    cap = detect_capability(device)
+    if canon == "auto":
+        canon, reason = choose_auto(cap)
+    support = cap.support.get(canon, "native")
+    if support == "unsupported":
+        raise ValueError(
+            f"precision {canon!r} is not supported on {cap.device}: {cap.reasons.get(canon, '')}. "
+            "Use 'fp32', or 'auto' to pick the fastest precision this device offers."
+        )
+    if support == "emulated":
+        # The warnings machinery shows a given message once per call site, which is the
+        # "warn once" we want without a global registry of our own.
+        warnings.warn(
+            f"{canon} on {cap.device} works but will be slow: {cap.reasons.get(canon, 'it is emulated here')}. "
+            "Use precision='auto' for the fastest choice on this device.",
+            PrecisionPerformanceWarning,
+            stacklevel=2,
+        )
+    return PrecisionPolicy(name=canon, requested=requested, reason=reason, **_POLICIES[canon])

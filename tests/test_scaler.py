@@ -1,0 +1,328 @@
+"""LossScaler: the scale follows its rule exactly, steps are applied or skipped, state round-trips."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mixprec import LossScaleCollapse, LossScaler
+
+OVERFLOW_STEPS = {2, 3, 4, 9, 10, 11, 12, 13, 20}
+N_STEPS = 26
+
+
+def predicted_scales(n, overflow, init, growth, backoff, interval, hysteresis=1, min_scale=None, max_scale=None):
+    """The scale after each update, computed from the documented rule with plain floats."""
+    scale, tracker, counter, out = init, 0, hysteresis, []
+    for step in range(n):
+        if step in overflow:
+            tracker = 0
+            if counter > 1:
+                counter -= 1
+            else:
+                scale *= backoff
+                if min_scale is not None:
+                    scale = max(scale, min_scale)
+        else:
+            tracker += 1
+            if tracker == interval:
+                scale *= growth
+                if max_scale is not None:
+                    scale = min(scale, max_scale)
+                tracker, counter = 0, hysteresis
+        out.append(scale)
+    return out
+
+
+def make_optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, foreach=False)
+    if kind == "adamw-fused":
+        return torch.optim.AdamW(params, lr=0.01, fused=True)
+    raise ValueError(kind)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+
+
+def inject_inf(model):
+    # An overflow as a real fp16 backward would produce it: one gradient element is inf.
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+
+
+def run_scaled(scaler, kind, overflow, n=N_STEPS):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = make_optimizer(kind, model.parameters())
+    scales, params = [], []
+    for step in range(n):
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        if step in overflow:
+            inject_inf(model)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        params.append([p.detach().clone() for p in model.parameters()])
+    return scales, params
+
+
+def run_control(kind, overflow, n=N_STEPS):
+    """fp32, no scaling: the optimizer simply does not step where the scaled run overflows."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = make_optimizer(kind, model.parameters())
+    params = []
+    for step in range(n):
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if step not in overflow:
+            opt.step()
+        params.append([p.detach().clone() for p in model.parameters()])
+    return params
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "adamw-fused"])
+@pytest.mark.parametrize(
+    "extras",
+    [
+        dict(hysteresis=1),
+        dict(hysteresis=2),
+        dict(hysteresis=3, min_scale=64.0, max_scale=1024.0),
+    ],
+    ids=["plain", "hysteresis2", "hysteresis3-bounded"],
+)
+def test_scale_follows_rule_and_params_match_unscaled_fp32_control(kind, extras):
+    cfg = dict(init_scale=256.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    scaler = LossScaler("cpu", **cfg, **extras)
+    scales, params = run_scaled(scaler, kind, OVERFLOW_STEPS)
+    expected = predicted_scales(
+        N_STEPS, OVERFLOW_STEPS, 256.0, 2.0, 0.5, 3,
+        extras.get("hysteresis", 1), extras.get("min_scale"), extras.get("max_scale"),
+    )
+    assert scales == expected
+    control = run_control(kind, OVERFLOW_STEPS)
+    for step in range(N_STEPS):
+        # Scales are powers of two, so scaling and unscaling are exact in fp32: bit-for-bit equal.
+        for p, q in zip(params[step], control[step]):
+            assert torch.equal(p, q), f"step {step}: parameters differ from the control"
+        if step in OVERFLOW_STEPS and step > 0:
+            for p, q in zip(params[step], params[step - 1]):
+                assert torch.equal(p, q), f"step {step} was skipped but parameters moved"
+    assert scaler.skipped_steps == len(OVERFLOW_STEPS)
+    assert scaler.total_steps == N_STEPS
+    assert [f for _, f in scaler.scale_history] == [s in OVERFLOW_STEPS for s in range(N_STEPS)]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "adamw-fused"])
+def test_neutral_extras_match_torch_grad_scaler_exactly(kind):
+    cfg = dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+    ours_scales, ours_params = run_scaled(LossScaler("cpu", **cfg), kind, OVERFLOW_STEPS)
+    ref_scales, ref_params = run_scaled(torch.amp.GradScaler("cpu", **cfg), kind, OVERFLOW_STEPS)
+    assert ours_scales == ref_scales
+    for ours, ref in zip(ours_params, ref_params):
+        for p, q in zip(ours, ref):
+            assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw-fused"])
+def test_last_step_applied_reflects_skips(kind):
+    scaler = LossScaler("cpu", init_scale=8.0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = make_optimizer(kind, model.parameters())
+    seen = []
+    for step in range(6):
+        x, y = batch(step)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step in (1, 4):
+            inject_inf(model)
+        scaler.step(opt)
+        scaler.update()
+        seen.append(scaler.last_step_applied)
+    assert seen == [True, False, True, True, False, True]
+    assert scaler.consecutive_skips == 0
+
+
+def test_state_dict_round_trip_continues_exactly():
+    overflow = {1, 2, 6, 7, 8, 14}
+    cfg = dict(init_scale=128.0, growth_interval=2, hysteresis=2, min_scale=8.0, max_scale=4096.0)
+    full = LossScaler("cpu", **cfg)
+    full_scales, _ = run_scaled(full, "sgd", overflow, n=20)
+
+    first = LossScaler("cpu", **cfg)
+    run_scaled(first, "sgd", overflow, n=5)  # a state with a partly used hysteresis counter
+    state = copy.deepcopy(first.state_dict())
+    assert state["hysteresis_counter"] == first.hysteresis_counter
+    resumed = LossScaler("cpu", **cfg)
+    resumed.load_state_dict(state)  # before the scale tensor exists: counters wait for it
+    assert resumed.state_dict() == state
+
+    # Continue the same sequence from step 5 and compare the scale after every update.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(5, 20):
+        x, y = batch(step)
+        opt.zero_grad()
+        resumed.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step in overflow:
+            inject_inf(model)
+        resumed.step(opt)
+        resumed.update()
+        assert resumed.get_scale() == full_scales[step], f"step {step}"
+    assert resumed.skipped_steps == full.skipped_steps
+    assert resumed.total_steps == full.total_steps
+    assert resumed.hysteresis_counter == full.hysteresis_counter
+    assert resumed.scale_history == full.scale_history
+
+
+def test_load_state_dict_into_live_scaler_overwrites_counters():
+    a = LossScaler("cpu", init_scale=64.0, hysteresis=3)
+    run_scaled(a, "sgd", {0, 1}, n=3)
+    b = LossScaler("cpu", init_scale=2.0, hysteresis=3)
+    run_scaled(b, "sgd", set(), n=2)  # b's device state exists now
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict() == a.state_dict()
+
+
+def test_pickle_round_trip_keeps_counters():
+    a = LossScaler("cpu", init_scale=64.0, hysteresis=2)
+    run_scaled(a, "sgd", {0, 3}, n=5)
+    b = pickle.loads(pickle.dumps(a))
+    assert (b.get_scale(), b.skipped_steps, b.hysteresis_counter) == (a.get_scale(), a.skipped_steps, a.hysteresis_counter)
+
+
+def test_collapse_raises_after_max_consecutive_skips_with_the_fix():
+    scaler = LossScaler("cpu", init_scale=4.0, max_consecutive_skips=3)
+    with pytest.raises(LossScaleCollapse, match="bf16-mixed") as info:
+        run_scaled(scaler, "sgd", set(range(10)), n=10)
+    assert "3 optimizer steps in a row" in str(info.value)
+    assert scaler.consecutive_skips == 3
+
+
+def test_disabled_scaler_is_a_no_op():
+    scaler = LossScaler("cpu", enabled=False)
+    loss = torch.tensor(3.0, requires_grad=True)
+    assert scaler.scale(loss) is loss
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    before = model.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(before, model.weight)
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {} and not scaler.is_enabled()
+    assert scaler.last_step_applied and scaler.skipped_steps == 0
+
+
+def test_is_a_grad_scaler():
+    assert isinstance(LossScaler("cpu"), torch.amp.GradScaler)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(growth_factor=1.0), "growth_factor must be > 1.0"),
+        (dict(backoff_factor=1.5), "backoff_factor must be in"),
+        (dict(backoff_factor=0.0), "backoff_factor must be in"),
+        (dict(growth_interval=0), "growth_interval must be an int >= 1"),
+        (dict(init_scale=-1.0), "init_scale must be"),
+        (dict(init_scale=float("inf")), "init_scale must be"),
+        (dict(hysteresis=0), "hysteresis must be an int >= 1"),
+        (dict(min_scale=0.0), "min_scale must be"),
+        (dict(max_scale=-2.0), "max_scale must be"),
+        (dict(min_scale=8.0, max_scale=4.0), "min_scale .* must be <= max_scale"),
+        (dict(init_scale=2.0, min_scale=4.0), "below min_scale"),
+        (dict(init_scale=2.0**20, max_scale=2.0**10), "above max_scale"),
+        (dict(max_consecutive_skips=0), "max_consecutive_skips must be"),
+        (dict(enabled="yes"), "enabled must be True or False"),
+    ],
+)
+def test_bad_arguments_are_rejected_with_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossScaler("cpu", **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_cuda_scaler_without_cuda_is_refused_not_silently_disabled():
+    with pytest.raises(ValueError, match="device='cpu'"):
+        LossScaler("cuda")
+
+
+def test_update_without_step_says_what_to_call():
+    scaler = LossScaler("cpu")
+    scaler.scale(torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match=r"call scaler.step\(optimizer\)"):
+        scaler.update()
+
+
+def test_unscale_twice_is_refused():
+    scaler = LossScaler("cpu")
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="unscale_"):
+        scaler.unscale_(opt)
+
+
+class TinyLM(torch.nn.Module):
+    """A Hugging Face-style model: ``model(input_ids, labels=...)`` returns an object with ``.loss``."""
+
+    def __init__(self, vocab=32, dim=32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 64), torch.nn.GELU(), torch.nn.Linear(64, vocab))
+
+    def forward(self, input_ids, labels=None):
+        logits = self.mlp(self.emb(input_ids))
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+def seed_dataloader(n_batches=60, vocab=32):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n_batches):
+        x = torch.randint(0, vocab, (16, 12), generator=g)
+        out.append({"input_ids": x, "labels": (x * 3 + 1) % vocab})  # a learnable mapping
+    return out
+
+
+def test_seed_plain_pytorch_snippet_runs_with_loss_scaler_and_loss_falls():
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    train_dataloader = seed_dataloader()
+    losses = []
+    # The seed's first snippet, with LossScaler in place of torch.amp.GradScaler.
+    scaler = LossScaler()
+    for batch in train_dataloader:
+        inputs, targets = batch["input_ids"], batch["labels"]
+        with torch.autocast(device_type="cpu", dtype=torch.float16):
+            outputs = model(inputs, labels=targets)
+            loss = outputs.loss
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        assert outputs.logits.dtype == torch.float16
+    assert scaler.is_enabled() and scaler.total_steps == len(train_dataloader)
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
