@@ -88,7 +88,7 @@ def main():
     }
     setups = {name: (make(device, args.fused), factory()) for name, factory in runs.items()}
     times = {name: [] for name in runs}
-    for name, ((model, opt), scaler) in setups.items():
+    for (model, opt), scaler in setups.values():
         time_steps(model, opt, scaler, device, 20)  # warm-up
     for _ in range(args.rounds):
         for name, ((model, opt), scaler) in setups.items():

@@ -7,8 +7,7 @@ import warnings
 import pytest
 import torch
 
-from mixprec import PrecisionPerformanceWarning, PrecisionPolicy, precision_names, resolve_precision
-from mixprec import hardware
+from mixprec import PrecisionPerformanceWarning, PrecisionPolicy, hardware, precision_names, resolve_precision
 from mixprec.hardware import DeviceCapability, choose_auto
 
 ALIASES = {

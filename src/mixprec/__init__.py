@@ -4,6 +4,8 @@ Three tiers, each built on the one before: plain PyTorch with :class:`LossScaler
 ``torch.amp.GradScaler``), an :class:`Accelerator`, and a :class:`Trainer`.
 """
 
+from .accelerator import Accelerator
+from .checkpoint import CheckpointError
 from .hardware import DeviceCapability, detect_capability
 from .precision import PrecisionPerformanceWarning, PrecisionPolicy, precision_names, resolve_precision
 from .scaler import LossScaleCollapse, LossScaler
@@ -11,6 +13,8 @@ from .scaler import LossScaleCollapse, LossScaler
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accelerator",
+    "CheckpointError",
     "DeviceCapability",
     "LossScaleCollapse",
     "LossScaler",

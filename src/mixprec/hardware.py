@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -148,7 +148,7 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _detect(device: str) -> DeviceCapability:
     dev = torch.device(device)
     if dev.type == "cuda":

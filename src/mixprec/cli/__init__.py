@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in _SUBCOMMANDS.items():
+    for module in _SUBCOMMANDS.values():
         module.register(sub)
     return parser
 

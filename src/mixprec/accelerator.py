@@ -1,0 +1,453 @@
+"""The Accelerator tier: the user keeps their loop; precision, devices and processes are ours.
+
+Code written for Hugging Face Accelerate's core API runs with ``from mixprec import
+Accelerator``. Unlike Accelerate there is no shared global state (several Accelerators with
+different precisions may live in one process), and fp16 on the CPU is real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from torch.amp.grad_scaler import OptState
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from . import checkpoint as ckpt
+from . import distributed as D
+from .data import PreparedDataLoader
+from .hardware import default_device
+from .precision import PrecisionPolicy, resolve_precision
+from .scaler import LossScaler
+from .wrappers import AcceleratedOptimizer, AcceleratedScheduler, patch_forward, unpatch_forward
+
+__all__ = ["Accelerator"]
+
+_ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
+_SUPPORTED = "torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.utils.data.DataLoader"
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+        hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)
+    )
+
+
+class Accelerator:
+    """Mixed precision, device placement and several processes for a training loop you write.
+
+    Args:
+        mixed_precision: any name :func:`~mixprec.resolve_precision` takes (``"no"``, ``"fp16"``,
+            ``"bf16"``, ``"bf16-true"``, ``"auto"``, ...). ``None`` means fp32.
+        gradient_accumulation_steps: micro-batches per optimizer step (with :meth:`accumulate`).
+        cpu: train on the CPU even where CUDA is available.
+        device_placement: move models and batches to :attr:`device`.
+        loss_scaler: a :class:`~mixprec.LossScaler`, or a dict of its keyword arguments. fp16
+            gets a default one; bf16-mixed may take one (it rarely needs it).
+        ddp_comm_hook: ``"fp16"`` or ``"bf16"`` compresses DDP's gradient all-reduce with
+            torch's own hooks; ``None`` leaves it in fp32.
+
+    Example:
+        >>> acc = Accelerator(mixed_precision="bf16", cpu=True)
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> model, opt = acc.prepare(model, opt)
+        >>> loss = model(torch.randn(8, 4)).float().pow(2).mean()
+        >>> acc.backward(loss); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, mixed_precision: str | PrecisionPolicy | None = None, gradient_accumulation_steps: int = 1,
+                 cpu: bool = False, device_placement: bool = True, loss_scaler: LossScaler | dict | None = None,
+                 ddp_comm_hook: str | None = None) -> None:
+        if not isinstance(gradient_accumulation_steps, int) or isinstance(gradient_accumulation_steps, bool) \
+                or gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
+        if ddp_comm_hook not in (None, "fp16", "bf16"):
+            raise ValueError(f"ddp_comm_hook must be None, 'fp16' or 'bf16', got {ddp_comm_hook!r}")
+        device = torch.device("cpu") if cpu else default_device()
+        self._process = D.init_from_env(device.type)
+        if device.type == "cuda":
+            device = torch.device("cuda", self._process.local_rank)
+            torch.cuda.set_device(device)
+        self.device = device
+        self.policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", device)
+        self.scaler = self._make_scaler(loss_scaler)
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.device_placement = device_placement
+        self.ddp_comm_hook = ddp_comm_hook
+        self.step = 0  # micro-batches seen by accumulate(), as Accelerate counts them
+        self.sync_gradients = True
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[PreparedDataLoader] = []
+        self._custom_objects: list[Any] = []
+        self._active_dataloaders: list[PreparedDataLoader] = []
+
+    def _make_scaler(self, loss_scaler: LossScaler | dict | None) -> LossScaler | None:
+        if loss_scaler is not None and self.policy.name in ("fp32", "bf16-true"):
+            raise ValueError(
+                f"a loss scaler does nothing for {self.policy.name}: fp32's and bf16's range need no scaling; "
+                "drop loss_scaler, or use mixed_precision='fp16'"
+            )
+        if isinstance(loss_scaler, LossScaler):
+            return loss_scaler
+        if loss_scaler is not None and not isinstance(loss_scaler, dict):
+            raise TypeError(f"loss_scaler must be a LossScaler or a dict of its arguments, got {type(loss_scaler).__name__}")
+        if loss_scaler is None and not self.policy.needs_loss_scaler:
+            return None
+        return LossScaler(self.device.type, **(loss_scaler or {}))
+
+    # -- who am I -----------------------------------------------------------------------
+    @property
+    def num_processes(self) -> int:
+        return self._process.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self._process.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self._process.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._process.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self._process.local_rank == 0
+
+    @property
+    def mixed_precision(self) -> str:
+        """The precision in Accelerate's words: ``"no"``, ``"fp16"``, ``"bf16"`` (or ``"bf16-true"``)."""
+        return _ACCELERATE_NAMES[self.policy.name]
+
+    @property
+    def use_distributed(self) -> bool:
+        return self._process.is_distributed
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        """A barrier across processes (a no-op in one process)."""
+        D.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Run the body on the main process first, then on the others (e.g. to build a cache once)."""
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    # -- prepare --------------------------------------------------------------------------
+    def prepare(self, *objects: Any) -> Any:
+        """Wrap models, optimizers, schedulers and dataloaders; returns them in the order given.
+
+        Raises:
+            TypeError: for an object of any other type, naming the supported ones.
+        """
+        for obj in objects:
+            if not (isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, DataLoader)) or _is_scheduler(obj)):
+                raise TypeError(f"Accelerator.prepare() cannot prepare a {type(obj).__module__}.{type(obj).__name__}; "
+                                f"it prepares {_SUPPORTED}")
+        out: list[Any] = list(objects)
+        # Models before optimizers (bf16-true casts the parameters the optimizer holds), and
+        # schedulers last, since they must find their prepared optimizer.
+        for kind in (torch.nn.Module, torch.optim.Optimizer, DataLoader):
+            for i, obj in enumerate(objects):
+                if isinstance(obj, kind) and not (kind is torch.optim.Optimizer and _is_scheduler(obj)):
+                    out[i] = {torch.nn.Module: self.prepare_model, torch.optim.Optimizer: self.prepare_optimizer,
+                              DataLoader: self.prepare_data_loader}[kind](obj)
+        for i, obj in enumerate(objects):
+            if _is_scheduler(obj) and not isinstance(obj, torch.optim.Optimizer):
+                out[i] = self.prepare_scheduler(obj)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
+        """Move ``model`` to the device (bf16 parameters for bf16-true), run its forward under the
+        policy's autocast, and wrap it in ``DistributedDataParallel`` when several processes run."""
+        if device_placement if device_placement is not None else self.device_placement:
+            model.to(self.device)
+        if self.policy.param_dtype != torch.float32:
+            model.to(self.policy.param_dtype)
+        patch_forward(model, self)
+        if self.use_distributed:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=ids)
+            if self.ddp_comm_hook is not None:
+                model.register_comm_hook(state=None, hook=D.compress_hook(self.ddp_comm_hook))
+        self._models.append(model)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        """Wrap ``optimizer`` so that ``step()`` does the loss scaler's work."""
+        if isinstance(optimizer, AcceleratedOptimizer):
+            optimizer = optimizer.optimizer
+        wrapped = AcceleratedOptimizer(optimizer, self)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap ``scheduler`` so that it steps only when its optimizer's step was applied."""
+        mine = [o for o in self._optimizers if o.optimizer is scheduler.optimizer]
+        wrapped = AcceleratedScheduler(scheduler, mine or self._optimizers, self)
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, dataloader: DataLoader) -> PreparedDataLoader:
+        """Batches on the device, and each process its own shard of every batch round."""
+        # One seed for the shuffle order, the same on every process so the shards fit together.
+        seed = D.broadcast_object(int(torch.randint(0, 2**62, (1,)).item()))
+        device = self.device if self.device_placement else None
+        float_dtype = self.policy.param_dtype if self.policy.param_dtype != torch.float32 else None
+        prepared = PreparedDataLoader(dataloader, device=device, world_size=self.num_processes, rank=self.process_index,
+                                      seed=seed, float_dtype=float_dtype, on_iter=self._track_dataloader,
+                                      on_end=self._untrack_dataloader)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
+        """Start ``dataloader``'s next epoch at batch ``num_batches``, without loading the ones before.
+
+        Returns the same prepared dataloader (the skip applies to one epoch). After
+        :meth:`load_state` the dataloader already resumes at the saved batch; calling this sets
+        the start instead of adding to it.
+        """
+        if not isinstance(dataloader, PreparedDataLoader):
+            raise TypeError(f"skip_first_batches() takes a dataloader returned by prepare(), got "
+                            f"{type(dataloader).__name__}; call accelerator.prepare(dataloader) first")
+        dataloader.skip_batches(num_batches)
+        return dataloader
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore these objects (anything with ``state_dict``/``load_state_dict``) in ``save_state``."""
+        for obj in objects:
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"{type(obj).__name__} has no state_dict()/load_state_dict(); it cannot be checkpointed")
+        self._custom_objects.extend(objects)
+
+    # -- the step ---------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The policy's autocast on this device (a no-op for fp32 and bf16-true)."""
+        return self.policy.autocast(self.device)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, divided by the accumulation steps and scaled where the policy needs it."""
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward(**kwargs)
+
+    def _track_dataloader(self, dl: PreparedDataLoader) -> None:
+        if dl in self._active_dataloaders:
+            self._active_dataloaders.remove(dl)
+        self._active_dataloaders.append(dl)
+
+    def _untrack_dataloader(self, dl: PreparedDataLoader) -> None:
+        if dl in self._active_dataloaders:
+            self._active_dataloaders.remove(dl)
+
+    @property
+    def _end_of_dataloader(self) -> bool:
+        return bool(self._active_dataloaders) and self._active_dataloaders[-1].end_of_dataloader
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """Accumulate gradients over ``gradient_accumulation_steps`` micro-batches.
+
+        Sets :attr:`sync_gradients`: True on the micro-batch that completes a group (or ends the
+        dataloader), when the prepared optimizer steps; on the others DDP's ``no_sync`` skips the
+        all-reduce and the optimizer's ``step``/``zero_grad`` do nothing.
+        """
+        if self._end_of_dataloader:
+            self.step, self.sync_gradients = 0, True
+        else:
+            self.step += 1
+            self.sync_gradients = self.step % self.gradient_accumulation_steps == 0
+        with contextlib.ExitStack() as stack:
+            if not self.sync_gradients:
+                for m in models:
+                    if isinstance(m, DistributedDataParallel):
+                        stack.enter_context(m.no_sync())
+            yield
+
+    def _optimizers_for(self, parameters: list[torch.Tensor]) -> list[torch.optim.Optimizer]:
+        ids = {id(p) for p in parameters}
+        return [o.optimizer for o in self._optimizers
+                if any(id(p) in ids for g in o.optimizer.param_groups for p in g["params"])]
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Divide the gradients by the loss scale now, once per step (later calls do nothing)."""
+        if self.scaler is None or not self.scaler.is_enabled() or not self.sync_gradients:
+            return
+        opts = [optimizer] if optimizer is not None else [o.optimizer for o in self._optimizers]
+        for opt in opts:
+            opt = opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt
+            if self.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY:
+                self.scaler.unscale_(opt)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor | None:
+        """Unscale (exactly once, fused optimizers included), then clip the gradients' total norm.
+
+        Returns the norm before clipping; ``None`` on accumulation steps that don't sync, where the
+        gradients are still partial (call it inside ``if accelerator.sync_gradients:``).
+        """
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if not self.sync_gradients:
+            return None
+        for opt in self._optimizers_for(params):
+            self.unscale_gradients(opt)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
+        """Unscale (exactly once), then clamp every gradient element to ``[-clip_value, clip_value]``."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if not self.sync_gradients:
+            return
+        for opt in self._optimizers_for(params):
+            self.unscale_gradients(opt)
+        torch.nn.utils.clip_grad_value_(params, clip_value)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped for inf/NaN gradients. Syncs with fp16."""
+        return any(o.step_was_skipped for o in self._optimizers)
+
+    # -- across processes ----------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate ``tensor`` (or nested dicts/lists of tensors) from all processes on dim 0."""
+        return D.gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any) -> Any:
+        """:meth:`gather`, dropping the duplicates that padded the last uneven batch round."""
+        data = D.gather(input_data)
+        remainder = self._active_dataloaders[-1].remainder if self._end_of_dataloader else 0
+        if remainder:
+            data = _truncate(data, remainder)
+        return data
+
+    def reduce(self, tensor: Any, reduction: str = "sum") -> Any:
+        """Sum (``"sum"``) or average (``"mean"``) ``tensor`` over all processes."""
+        return D.reduce(tensor, reduction)
+
+    # -- models out ---------------------------------------------------------------------
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
+        """The user's own module: without DDP or ``torch.compile`` wrappers (and, with
+        ``keep_fp32_wrapper=False``, without the autocast forward)."""
+        while True:
+            if isinstance(model, DistributedDataParallel):
+                model = model.module
+            elif hasattr(model, "_orig_mod"):
+                model = model._orig_mod
+            else:
+                break
+        return model if keep_fp32_wrapper else unpatch_forward(model)
+
+    def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The unwrapped model's ``state_dict``."""
+        return self.unwrap_model(model).state_dict()
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike) -> Path:
+        """Write ``model.safetensors`` into ``save_directory`` (main process only), atomically."""
+        path = Path(save_directory)
+        if self.is_main_process:
+            path.mkdir(parents=True, exist_ok=True)
+            tmp = path / ".model.safetensors.tmp"
+            safetensors.torch.save_model(self.unwrap_model(model), str(tmp))
+            os.replace(tmp, path / "model.safetensors")
+        self.wait_for_everyone()
+        return path
+
+    # -- checkpoints -------------------------------------------------------------------
+    def save_state(self, output_dir: str | os.PathLike, *, extra_files: dict[str, str | bytes] | None = None) -> Path:
+        """Write everything needed to continue bit for bit into ``output_dir``, atomically.
+
+        Model weights as safetensors; optimizer, scheduler, scaler, dataloader positions and
+        RNG states (one file per process) with ``torch.save``; a manifest with sizes and sha256.
+        The folder appears only when complete. ``extra_files`` (name -> text or bytes) join the
+        same atomic write (the Trainer puts ``trainer_state.json`` there).
+        """
+        final = Path(output_dir)
+        tmp = Path(D.broadcast_object(str(ckpt.staging_dir(final)) if self.is_main_process else None))
+        torch.save(ckpt.rng_state(), tmp / f"random_states_{self.process_index}.bin")
+        self.wait_for_everyone()
+        if self.is_main_process:
+            for i, m in enumerate(self._models):
+                safetensors.torch.save_model(self.unwrap_model(m), str(tmp / f"model_{i}.safetensors"))
+            groups = {"optimizer": self._optimizers, "scheduler": self._schedulers,
+                      "dataloader": self._dataloaders, "custom": self._custom_objects}
+            for name, objs in groups.items():
+                for i, obj in enumerate(objs):
+                    torch.save(obj.state_dict(), tmp / f"{name}_{i}.bin")
+            if self.scaler is not None:
+                torch.save(self.scaler.state_dict(), tmp / "scaler.bin")
+            torch.save({"step": self.step, "precision": self.policy.name}, tmp / "accelerator.bin")
+            for name, content in (extra_files or {}).items():
+                (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
+            ckpt.commit_checkpoint(tmp, final, meta={"num_processes": self.num_processes,
+                                                     "precision": self.policy.name})
+        self.wait_for_everyone()
+        return final
+
+    def load_state(self, input_dir: str | os.PathLike) -> None:
+        """Restore what :meth:`save_state` wrote, after verifying every file against the manifest.
+
+        Raises:
+            CheckpointError: naming the file that is missing, truncated, altered, or that holds
+                anything but tensors (nothing in it is run).
+        """
+        path = Path(input_dir)
+        ckpt.verify_checkpoint(path)
+        load = ckpt.load_tensor_file
+        for i, m in enumerate(self._models):
+            safetensors.torch.load_model(self.unwrap_model(m), str(path / f"model_{i}.safetensors"),
+                                         strict=True, device=str(self.device))
+        groups = {"optimizer": self._optimizers, "scheduler": self._schedulers,
+                  "dataloader": self._dataloaders, "custom": self._custom_objects}
+        for name, objs in groups.items():
+            for i, obj in enumerate(objs):
+                f = path / f"{name}_{i}.bin"
+                if not f.exists():
+                    raise ckpt.CheckpointError(f"{f} is missing: the checkpoint holds fewer {name}s than were prepared")
+                obj.load_state_dict(load(f, map_location=self.device if name == "optimizer" else "cpu"))
+        if self.scaler is not None and (path / "scaler.bin").exists():
+            self.scaler.load_state_dict(load(path / "scaler.bin"))
+        meta = load(path / "accelerator.bin")
+        self.step = int(meta["step"])
+        rng = path / f"random_states_{self.process_index}.bin"
+        if not rng.exists():
+            raise ckpt.CheckpointError(f"{rng} is missing: the checkpoint was written by fewer processes")
+        ckpt.set_rng_state(load(rng))
+
+    def end_training(self) -> None:
+        """Release the process group, if several processes ran."""
+        if self.use_distributed and torch.distributed.is_initialized():
+            self.wait_for_everyone()
+            torch.distributed.destroy_process_group()
+
+    def __repr__(self) -> str:
+        return (f"Accelerator(precision={self.policy.name!r}, device={str(self.device)!r}, "
+                f"num_processes={self.num_processes}, gradient_accumulation_steps={self.gradient_accumulation_steps})")
+
+
+def _truncate(data: Any, n: int) -> Any:
+    if isinstance(data, dict):
+        return type(data)({k: _truncate(v, n) for k, v in data.items()})
+    if isinstance(data, (list, tuple)) and not isinstance(data, torch.Tensor):
+        return type(data)(_truncate(v, n) for v in data)
+    return data[: len(data) - n]

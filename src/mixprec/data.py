@@ -1,0 +1,240 @@
+"""Prepared dataloaders: batches on the device, one shard per process, an exact resume position.
+
+A prepared dataloader rebuilds the user's ``DataLoader`` around a batch sampler of ours, which
+
+* gives process ``p`` of ``W`` the global batches ``p, p + W, p + 2W, ...`` (Accelerate's
+  default), and makes the last round the same size on every process by repeating samples from
+  the start of the epoch: ``remainder`` says how many, so ``gather_for_metrics`` can drop them;
+* can skip the first ``n`` batches of an epoch without loading them (a resume mid-epoch);
+* owns a ``torch.Generator`` for the shuffle order and the workers' base seed, so iterating
+  never draws from the global RNG and a checkpoint can restore the epoch's order exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
+__all__ = ["send_to_device", "PreparedDataLoader"]
+
+
+def send_to_device(batch: Any, device: torch.device, non_blocking: bool = False, float_dtype: torch.dtype | None = None) -> Any:
+    """Move every tensor nested in ``batch`` to ``device``, keeping the containers' types.
+
+    Handles dicts and other mappings (Hugging Face ``BatchEncoding`` included), lists, tuples and
+    named tuples, and dataclasses. ``float_dtype`` also casts floating-point tensors (bf16-true).
+    """
+    if isinstance(batch, torch.Tensor):
+        if float_dtype is not None and batch.is_floating_point():
+            return batch.to(device=device, dtype=float_dtype, non_blocking=non_blocking)
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, Mapping):
+        moved = {k: send_to_device(v, device, non_blocking, float_dtype) for k, v in batch.items()}
+        try:
+            return type(batch)(moved)
+        except TypeError:
+            return moved
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(send_to_device(v, device, non_blocking, float_dtype) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(send_to_device(v, device, non_blocking, float_dtype) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        changes = {f.name: send_to_device(getattr(batch, f.name), device, non_blocking, float_dtype)
+                   for f in dataclasses.fields(batch) if f.init}
+        return dataclasses.replace(batch, **changes)
+    return batch
+
+
+class _ShardedBatchSampler:
+    """Process ``rank``'s share of ``batch_sampler``'s batches, optionally skipping some first."""
+
+    def __init__(self, batch_sampler: Any, world_size: int, rank: int, drop_last: bool) -> None:
+        self.batch_sampler = batch_sampler
+        self.world_size = world_size
+        self.rank = rank
+        self.drop_last = drop_last
+        self.skip = 0  # batches of this process's share to skip, on the next epoch only
+        self.remainder = 0  # duplicated samples in the last round of the epoch, across processes
+        self.n_batches = 0  # batches this process yields per epoch (known once an epoch started)
+
+    def _rounds(self) -> list[list[list[int]]]:
+        batches = [list(b) for b in self.batch_sampler]
+        w = self.world_size
+        if w == 1:
+            self.remainder = 0
+            return [[b] for b in batches]
+        rounds = [batches[i:i + w] for i in range(0, len(batches), w)]
+        self.remainder = 0
+        if rounds and (len(rounds[-1]) < w or len(set(map(len, rounds[-1]))) > 1):
+            last = [i for b in rounds.pop() for i in b]
+            if not self.drop_last:
+                per = math.ceil(len(last) / w)
+                flat = [i for b in batches for i in b]
+                pad = w * per - len(last)
+                last = last + [flat[k % len(flat)] for k in range(pad)]
+                self.remainder = pad
+                rounds.append([last[p * per:(p + 1) * per] for p in range(w)])
+        return rounds
+
+    def __iter__(self) -> Iterator[list[int]]:
+        rounds = self._rounds()
+        self.n_batches = len(rounds)
+        skip, self.skip = self.skip, 0
+        for r in rounds[skip:]:
+            yield r[self.rank if self.world_size > 1 else 0]
+
+    def __len__(self) -> int:
+        n = len(self.batch_sampler)
+        if self.world_size == 1:
+            return n
+        return n // self.world_size if self.drop_last else math.ceil(n / self.world_size)
+
+
+class PreparedDataLoader:
+    """A dataloader prepared by an :class:`~mixprec.Accelerator`: device placement and sharding.
+
+    Iterate it like the original. It keeps ``dataset``, ``batch_size`` and ``__len__`` (this
+    process's number of batches), and knows during iteration whether the current batch is the
+    last (``end_of_dataloader``) and how many padded duplicates that batch holds across all
+    processes (``remainder``).
+    """
+
+    def __init__(self, loader: DataLoader, *, device: torch.device | None, world_size: int = 1, rank: int = 0,
+                 seed: int = 0, float_dtype: torch.dtype | None = None, on_iter=None, on_end=None) -> None:
+        self.base_loader = loader
+        self.device = device
+        self.float_dtype = float_dtype
+        self._on_iter = on_iter
+        self._on_end = on_end
+        sampler = loader.sampler
+        user_gen = loader.generator
+        if user_gen is None and isinstance(sampler, RandomSampler):
+            user_gen = sampler.generator
+        self.generator = user_gen if user_gen is not None else torch.Generator().manual_seed(seed)
+        self.epoch = 0
+        self.batches_yielded = 0
+        self.end_of_dataloader = False
+        self._in_epoch = False
+        self._epoch_start_state = self.generator.get_state()
+        self._iterable = isinstance(loader.dataset, IterableDataset)
+        self._world_size, self._rank = world_size, rank
+        self._skip_iterable = 0
+        self._sharder: _ShardedBatchSampler | None = None
+        if self._iterable or loader.batch_sampler is None:
+            if world_size > 1:
+                raise TypeError(
+                    "sharding an IterableDataset or a DataLoader without batch_size over several processes is "
+                    "not supported; give each process its own part of the data in the dataset's __iter__ "
+                    "(torch.distributed.get_rank() tells which), or use a map-style dataset"
+                )
+            self.loader = loader
+            return
+        if isinstance(sampler, RandomSampler) and sampler.generator is None:
+            sampler.generator = self.generator  # the shuffle order becomes part of our state
+        self._sharder = _ShardedBatchSampler(loader.batch_sampler, world_size, rank,
+                                             getattr(loader.batch_sampler, "drop_last", False))
+        kwargs = dict(
+            batch_sampler=self._sharder, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context, generator=self.generator,
+            persistent_workers=loader.persistent_workers,
+        )
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        self.loader = DataLoader(loader.dataset, **kwargs)
+
+    # -- what the original loader had -----------------------------------------------------
+    @property
+    def dataset(self) -> Any:
+        return self.base_loader.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.base_loader.batch_size
+
+    @property
+    def sampler(self) -> Any:
+        return self.base_loader.sampler
+
+    @property
+    def remainder(self) -> int:
+        """Duplicated samples (over all processes) in the last batch of the epoch; 0 elsewhere."""
+        return self._sharder.remainder if (self._sharder is not None and self.end_of_dataloader) else 0
+
+    def __len__(self) -> int:
+        return len(self._sharder) if self._sharder is not None else len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward the epoch to a sampler that wants it (``DistributedSampler``)."""
+        self.epoch = epoch
+        for s in (getattr(self.base_loader, "sampler", None), getattr(self.base_loader, "batch_sampler", None)):
+            if hasattr(s, "set_epoch"):
+                s.set_epoch(epoch)
+
+    # -- resume ---------------------------------------------------------------------------
+    def skip_batches(self, n: int) -> None:
+        """Start the next epoch at batch ``n`` of this process's share, without loading the ones before."""
+        if n < 0:
+            raise ValueError(f"the number of batches to skip must be >= 0, got {n}")
+        if self._sharder is not None:
+            self._sharder.skip = n
+        else:
+            self._skip_iterable = n
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: epochs started, batches yielded in this one, the epoch's RNG state."""
+        if not self._in_epoch:  # between epochs: the next one starts from the generator as it is now
+            return {"epoch": self.epoch, "batches_yielded": 0, "generator_state": self.generator.get_state()}
+        return {"epoch": self.epoch, "batches_yielded": self.batches_yielded,
+                "generator_state": self._epoch_start_state.clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue where :meth:`state_dict` was taken: same shuffle order, at the next batch."""
+        self.epoch = int(state["epoch"])
+        self.generator.set_state(state["generator_state"])
+        self.skip_batches(int(state["batches_yielded"]))
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._on_iter is not None:
+            self._on_iter(self)
+        # Restored by load_state_dict(), or simply where the last epoch left it: the state from
+        # which this epoch's shuffle order (and the workers' base seed) will be drawn.
+        self._epoch_start_state = self.generator.get_state()
+        skip = self._sharder.skip if self._sharder is not None else self._skip_iterable
+        self._skip_iterable = 0
+        self.batches_yielded = skip
+        self.end_of_dataloader = False
+        self._in_epoch = True
+        it = iter(self.loader)
+        try:
+            if self._sharder is None:  # no sampler to skip in: load the batches and drop them
+                for _ in range(skip):
+                    next(it, None)
+            current = next(it, _END)
+            while current is not _END:
+                nxt = next(it, _END)
+                # Looking one batch ahead tells whether this is the last: accumulate() and
+                # gather_for_metrics need to know before the batch is used.
+                self.end_of_dataloader = nxt is _END
+                self.batches_yielded += 1
+                yield self._move(current)
+                current = nxt
+            self.end_of_dataloader = True
+            self._in_epoch = False
+            self.epoch += 1
+        finally:
+            if self._on_end is not None:
+                self._on_end(self)
+
+    def _move(self, batch: Any) -> Any:
+        if self.device is None:
+            return batch
+        return send_to_device(batch, self.device, non_blocking=self.device.type == "cuda", float_dtype=self.float_dtype)
+
+
+_END = object()

@@ -1,0 +1,155 @@
+"""Several processes through torch.distributed, as started by ``torchrun``.
+
+mixprec has no launcher of its own: ``torchrun --nproc_per_node N train.py`` sets ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``, and :func:`init_from_env`
+turns them into a process group (gloo on the CPU, nccl on CUDA).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ProcessInfo", "init_from_env", "gather", "reduce", "broadcast_object", "barrier", "compress_hook"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessInfo:
+    """Where this process stands among all of them."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether more than one process takes part."""
+        return self.world_size > 1
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer (torchrun sets it)") from None
+
+
+def init_from_env(device_type: str, timeout_s: float = 600.0) -> ProcessInfo:
+    """Read torchrun's variables and initialise the process group once if several processes run.
+
+    Args:
+        device_type: ``"cpu"`` uses gloo, ``"cuda"`` uses nccl.
+        timeout_s: how long a collective may wait for the others before failing.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return ProcessInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                           local_rank=_env_int("LOCAL_RANK", 0))
+    world = _env_int("WORLD_SIZE", 1)
+    info = ProcessInfo(rank=_env_int("RANK", 0), world_size=world, local_rank=_env_int("LOCAL_RANK", 0))
+    if world > 1:
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"WORLD_SIZE={world} but {', '.join(missing)} is not set; start the script with "
+                "`torchrun --nproc_per_node N script.py`, which sets them"
+            )
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, rank=info.rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return info
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    """Wait until every process gets here (no-op in one process)."""
+    if _active():
+        dist.barrier()
+
+
+def gather(data: Any) -> Any:
+    """Concatenate ``data`` (a tensor, or dicts/lists/tuples of them) from every process along dim 0.
+
+    Every process must pass tensors of the same shape (mixprec's sharded dataloaders make the
+    last batch the same size on every process for this reason). A 0-d tensor is gathered as a
+    1-element one.
+    """
+    if isinstance(data, Mapping):
+        return type(data)({k: gather(v) for k, v in data.items()})
+    if isinstance(data, (list, tuple)):
+        return type(data)(gather(v) for v in data)
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"gather() takes tensors (or dicts/lists/tuples of them), got {type(data).__name__}")
+    tensor = data.reshape(1) if data.dim() == 0 else data
+    if not _active():
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+def reduce(data: Any, reduction: str = "sum") -> Any:
+    """Sum or average ``data`` (tensors, or dicts/lists/tuples of them) over every process."""
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if isinstance(data, Mapping):
+        return type(data)({k: reduce(v, reduction) for k, v in data.items()})
+    if isinstance(data, (list, tuple)):
+        return type(data)(reduce(v, reduction) for v in data)
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"reduce() takes tensors (or dicts/lists/tuples of them), got {type(data).__name__}")
+    out = data.clone()
+    if _active():
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        if reduction == "mean":
+            out = out / dist.get_world_size()
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` as process ``src`` has it, on every process (pickled: only for small, trusted values)."""
+    if not _active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _gloo_bf16_compress_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+# DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation).
+_gloo_bf16_compress_hook.__annotations__ = {
+    "process_group": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+
+
+def compress_hook(dtype: str) -> Any:
+    """torch's DDP gradient-compression hook for ``"fp16"`` or ``"bf16"``.
+
+    DDP refuses torch's ``bf16_compress_hook`` unless the backend is NCCL >= 2.10 (older NCCL
+    lacked bf16); gloo all-reduces bf16 correctly, so on gloo the same torch implementation
+    runs under another name.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if dtype == "fp16":
+        return default_hooks.fp16_compress_hook
+    if dtype != "bf16":
+        raise ValueError(f"compression dtype must be 'fp16' or 'bf16', got {dtype!r}")
+    if _active() and dist.get_backend() == "gloo":
+        return _gloo_bf16_compress_hook
+    return default_hooks.bf16_compress_hook

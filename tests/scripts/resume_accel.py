@@ -1,0 +1,59 @@
+"""Train with the Accelerator; optionally save state at a step and SIGKILL ourselves, or resume.
+
+    python resume_accel.py OUT --precision fp16 [--save-at K [--kill]] [--resume CKPT]
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mixprec import Accelerator  # noqa: E402
+
+from toys import LMData, TinyLM  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("out")
+ap.add_argument("--precision", default="fp32")
+ap.add_argument("--save-at", type=int, default=-1)
+ap.add_argument("--kill", action="store_true")
+ap.add_argument("--resume")
+ap.add_argument("--epochs", type=int, default=3)
+args = ap.parse_args()
+out = Path(args.out)
+
+acc = Accelerator(mixed_precision=args.precision, cpu=True, loss_scaler={"init_scale": 2.0**10, "growth_interval": 3}
+                  if args.precision.startswith("fp16") else None)
+torch.manual_seed(0)
+model = TinyLM(dropout=0.1)
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+dl = torch.utils.data.DataLoader(LMData(n=80), batch_size=8, shuffle=True)
+model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
+
+epoch0, step = 0, 0
+if args.resume:
+    acc.load_state(args.resume)
+    loop = json.loads((Path(args.resume) / "loop.json").read_text())
+    epoch0, step = loop["epoch"], loop["step"]
+for epoch in range(epoch0, args.epochs):
+    for batch in dl:
+        loss = model(**batch).loss
+        acc.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        step += 1
+        if step == args.save_at:
+            acc.save_state(out / "ckpt", extra_files={"loop.json": json.dumps({"epoch": epoch, "step": step})})
+            if args.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+safetensors.torch.save_model(acc.unwrap_model(model), str(out / "final.safetensors"))
+(out / "final.json").write_text(json.dumps({"step": step, "lr": sched.get_last_lr()[0],
+                                            "scale": acc.scaler.get_scale() if acc.scaler else None}))

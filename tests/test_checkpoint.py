@@ -1,0 +1,140 @@
+"""save_state / load_state: atomic, verified, never runs code, and resumes bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from mixprec import Accelerator, CheckpointError
+from mixprec.checkpoint import is_complete_checkpoint, verify_checkpoint, write_checkpoint
+
+from toys import TinyLM
+
+SCRIPT = Path(__file__).parent / "scripts" / "resume_accel.py"
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
+
+
+def run_script(out, *args, expect_kill=False):
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=300)
+    if expect_kill:
+        assert proc.returncode == -9, proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_save_kill_load_continue_equals_an_uninterrupted_run_bit_for_bit(tmp_path, precision):
+    full, part = tmp_path / "full", tmp_path / "part"
+    full.mkdir()
+    part.mkdir()
+    run_script(full, "--precision", precision)
+    run_script(part, "--precision", precision, "--save-at", "13", "--kill", expect_kill=True)
+    assert not (part / "final.safetensors").exists()  # it really died
+    run_script(part, "--precision", precision, "--resume", str(part / "ckpt"))
+    a = safetensors.torch.load_file(str(full / "final.safetensors"))
+    b = safetensors.torch.load_file(str(part / "final.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert json.loads((full / "final.json").read_text()) == json.loads((part / "final.json").read_text())
+
+
+@pytest.fixture
+def saved(tmp_path):
+    acc = Accelerator(mixed_precision="fp16", cpu=True)
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randint(0, 32, (4, 6)), labels=torch.randint(0, 32, (4, 6))).loss)
+    opt.step()
+    path = acc.save_state(tmp_path / "ckpt")
+    return acc, path
+
+
+def test_checkpoint_has_manifest_safetensors_weights_and_every_state(saved):
+    _, path = saved
+    files = verify_checkpoint(path)
+    assert {"model_0.safetensors", "optimizer_0.bin", "scaler.bin", "random_states_0.bin",
+            "accelerator.bin"} <= set(files)
+    assert all(len(v["sha256"]) == 64 for v in files.values())
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no staging leftovers
+
+
+def test_a_checkpoint_with_one_byte_changed_is_refused_naming_the_file(saved):
+    acc, path = saved
+    f = path / "optimizer_0.bin"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="optimizer_0.bin.*altered"):
+        acc.load_state(path)
+
+
+def test_a_truncated_checkpoint_is_refused(saved):
+    acc, path = saved
+    f = path / "model_0.safetensors"
+    f.write_bytes(f.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="model_0.safetensors.*truncated"):
+        acc.load_state(path)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_pickle_that_would_run_code_is_refused_without_running_it(saved, tmp_path, monkeypatch):
+    acc, path = saved
+    monkeypatch.chdir(tmp_path)
+    f = path / "optimizer_0.bin"
+    torch.save({"state": {}, "param_groups": [], "evil": _Evil()}, f)
+    # The attacker also rewrites the manifest, so only weights_only stands in the way.
+    manifest = json.loads((path / "manifest.json").read_text())
+    import hashlib
+
+    manifest["files"]["optimizer_0.bin"] = {"size": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="refusing to load .*optimizer_0.bin"):
+        acc.load_state(path)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_folder_without_manifest_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "model_0.safetensors").write_bytes(b"x")
+    assert not is_complete_checkpoint(tmp_path / "half")
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        verify_checkpoint(tmp_path / "half")
+
+
+def test_a_crash_during_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    write_checkpoint(tmp_path / "ckpt", {"a.bin": lambda p: torch.save({"v": torch.ones(2)}, p)})
+
+    def crash(p):
+        p.write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint(tmp_path / "ckpt", {"a.bin": lambda p: torch.save({"v": torch.zeros(2)}, p), "b.bin": crash})
+    verify_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(torch.load(tmp_path / "ckpt" / "a.bin", weights_only=True)["v"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_save_model_writes_loadable_safetensors(tmp_path):
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(TinyLM())
+    acc.save_model(model, tmp_path / "m")
+    twin = TinyLM()
+    safetensors.torch.load_model(twin, str(tmp_path / "m" / "model.safetensors"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+

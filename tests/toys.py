@@ -1,0 +1,73 @@
+"""Small models and data shared by the tests (not a test module)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Output:
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class TinyLM(torch.nn.Module):
+    """A Hugging Face-style model: ``model(input_ids, labels=...)`` returns an object with ``.loss``."""
+
+    def __init__(self, vocab: int = 32, dim: int = 32, dropout: float = 0.0):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 64), torch.nn.GELU(), torch.nn.Dropout(dropout),
+                                       torch.nn.Linear(64, vocab))
+        self.seen_dtypes: list[torch.dtype] = []
+
+    def forward(self, input_ids, labels=None):
+        logits = self.mlp(self.emb(input_ids))
+        self.seen_dtypes.append(logits.dtype)
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return Output(loss=loss, logits=logits)
+
+
+class LMData(torch.utils.data.Dataset):
+    """Token sequences with a learnable mapping to their labels."""
+
+    def __init__(self, n: int = 256, vocab: int = 32, length: int = 12, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(0, vocab, (n, length), generator=g)
+        self.y = (self.x * 3 + 1) % vocab
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.y[i]}
+
+
+class Regression(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, dim: int = 8, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = self.x @ torch.randn(dim, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Returns its own index: to check which samples a process saw."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor(i)
