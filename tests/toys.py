@@ -71,3 +71,35 @@ class Indexed(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return torch.tensor(i)
+
+
+class Classifier(torch.nn.Module):
+    """A Hugging Face-style classifier: ``model(features, labels=...)`` returns ``.loss`` and ``.logits``."""
+
+    def __init__(self, dim: int = 16, classes: int = 4, hidden: int = 0, dropout: float = 0.0):
+        super().__init__()
+        if hidden:
+            self.net = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.GELU(), torch.nn.Dropout(dropout),
+                                           torch.nn.Linear(hidden, classes))
+        else:
+            self.net = torch.nn.Linear(dim, classes)
+
+    def forward(self, features, labels=None):
+        logits = self.net(features)
+        loss = None if labels is None else torch.nn.functional.cross_entropy(logits.float(), labels)
+        return Output(loss=loss, logits=logits)
+
+
+def blobs(n: int, dim: int = 16, classes: int = 4, seed: int = 0, spread: float = 1.0) -> list[dict]:
+    """Separable Gaussian blobs as a list of {"features", "label"} samples (Hugging Face's column names)."""
+    g = torch.Generator().manual_seed(1234)
+    centers = torch.randn(classes, dim, generator=g) * 2.5
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, classes, (n,), generator=g)
+    x = centers[labels] + spread * torch.randn(n, dim, generator=g)
+    return [{"features": x[i], "label": int(labels[i])} for i in range(n)]
+
+
+def accuracy_metrics(eval_pred):
+    predictions, labels = eval_pred
+    return {"accuracy": float((predictions.argmax(-1) == labels).mean())}

@@ -9,6 +9,18 @@ from .checkpoint import CheckpointError
 from .hardware import DeviceCapability, detect_capability
 from .precision import PrecisionPerformanceWarning, PrecisionPolicy, precision_names, resolve_precision
 from .scaler import LossScaleCollapse, LossScaler
+from .tasks import GPT, GPTConfig, Task, get_task, load_factory
+from .trainer import (
+    EarlyStoppingCallback,
+    EvalPrediction,
+    PredictionOutput,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+    TrainOutput,
+)
 
 __version__ = "0.1.0"
 
@@ -16,12 +28,26 @@ __all__ = [
     "Accelerator",
     "CheckpointError",
     "DeviceCapability",
+    "EarlyStoppingCallback",
+    "GPT",
+    "GPTConfig",
+    "Task",
+    "EvalPrediction",
+    "PredictionOutput",
+    "Trainer",
+    "TrainerCallback",
+    "TrainerControl",
+    "TrainerState",
+    "TrainingArguments",
+    "TrainOutput",
     "LossScaleCollapse",
     "LossScaler",
     "PrecisionPerformanceWarning",
     "PrecisionPolicy",
     "__version__",
     "detect_capability",
+    "get_task",
+    "load_factory",
     "precision_names",
     "resolve_precision",
 ]

@@ -207,16 +207,26 @@ class Accelerator:
         self._schedulers.append(wrapped)
         return wrapped
 
-    def prepare_data_loader(self, dataloader: DataLoader) -> PreparedDataLoader:
-        """Batches on the device, and each process its own shard of every batch round."""
-        # One seed for the shuffle order, the same on every process so the shards fit together.
-        seed = D.broadcast_object(int(torch.randint(0, 2**62, (1,)).item()))
+    def prepare_data_loader(self, dataloader: DataLoader, *, checkpoint: bool = True) -> PreparedDataLoader:
+        """Batches on the device, and each process its own shard of every batch round.
+
+        Args:
+            dataloader: the user's ``DataLoader``.
+            checkpoint: save and restore its position in :meth:`save_state` (off for loaders
+                made afresh for each evaluation).
+        """
+        # One seed for the shuffle order, the same on every process so the shards fit together;
+        # drawn from torch's RNG (so torch.manual_seed decides it) only where a shuffle needs it.
+        needs_seed = isinstance(dataloader.sampler, torch.utils.data.RandomSampler) and (
+            dataloader.sampler.generator is None and dataloader.generator is None)
+        seed = D.broadcast_object(int(torch.randint(0, 2**62, (1,)).item())) if needs_seed else 0
         device = self.device if self.device_placement else None
         float_dtype = self.policy.param_dtype if self.policy.param_dtype != torch.float32 else None
         prepared = PreparedDataLoader(dataloader, device=device, world_size=self.num_processes, rank=self.process_index,
                                       seed=seed, float_dtype=float_dtype, on_iter=self._track_dataloader,
                                       on_end=self._untrack_dataloader)
-        self._dataloaders.append(prepared)
+        if checkpoint:
+            self._dataloaders.append(prepared)
         return prepared
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:

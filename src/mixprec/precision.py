@@ -19,6 +19,7 @@ __all__ = [
     "PrecisionPerformanceWarning",
     "resolve_precision",
     "precision_names",
+    "canonical_precision",
     "CANONICAL_PRECISIONS",
 ]
 
@@ -125,6 +126,15 @@ _POLICIES = {
     "bf16-true": dict(compute_dtype=torch.bfloat16, param_dtype=torch.bfloat16,
                       optimizer_state_dtype=torch.float32, autocast_enabled=False, needs_loss_scaler=False),
 }
+
+
+def canonical_precision(name: object) -> str:
+    """The canonical name for a precision name or alias (``"auto"`` stays ``"auto"``).
+
+    Raises:
+        ValueError: for an unknown name, listing every valid name and alias.
+    """
+    return _canonical(name)
 
 
 def _canonical(name: object) -> str:

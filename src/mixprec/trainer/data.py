@@ -1,0 +1,164 @@
+"""Turn what users pass as a dataset into fast batches for the model.
+
+Small models are easily slowed by the input pipeline: torch's default fetches one
+``__getitem__`` per sample and collates them in Python. Here a batch is fetched at once where
+the dataset allows it: tensor indexing for data held as tensors (lists of dicts are stacked
+into columns once, up front), ``__getitems__`` where the dataset has it, and a column slice of
+a Hugging Face ``datasets.Dataset``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, default_collate
+
+__all__ = ["prepare_dataset", "model_input_names", "collate"]
+
+
+def model_input_names(model: torch.nn.Module) -> tuple[list[str], bool]:
+    """The names ``model.forward`` accepts, and whether it takes ``**kwargs`` too."""
+    forward = getattr(model, "_mixprec_original_forward", model.forward)
+    params = inspect.signature(forward).parameters.values()
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def collate(samples: Any) -> Any:
+    """Pass an already-collated batch through; otherwise torch's ``default_collate``; rename
+    ``label`` to ``labels`` as Hugging Face's default collator does."""
+    batch = samples if isinstance(samples, Mapping) or _is_collated(samples) else default_collate(samples)
+    if isinstance(batch, Mapping) and "label" in batch and "labels" not in batch:
+        batch = dict(batch)
+        batch["labels"] = batch.pop("label")
+    return batch
+
+
+def _is_collated(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) > 0 and all(isinstance(t, torch.Tensor) for t in x)
+
+
+class _ColumnDataset(Dataset):
+    """Columns of equal-length tensors, fetched a whole batch at a time by tensor indexing."""
+
+    def __init__(self, columns: dict[str, torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
+        self.columns = columns
+        first = next(iter(columns.values())) if isinstance(columns, dict) else columns[0]
+        self.n = len(first)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        if isinstance(self.columns, dict):
+            return {k: v[i] for k, v in self.columns.items()}
+        return tuple(v[i] for v in self.columns)
+
+    def __getitems__(self, indices: Sequence[int]) -> Any:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        if isinstance(self.columns, dict):
+            return {k: v[idx] for k, v in self.columns.items()}
+        return tuple(v[idx] for v in self.columns)
+
+
+class _HFDataset(Dataset):
+    """A Hugging Face ``datasets.Dataset`` in torch format: a batch is one column slice."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds.with_format("torch")
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.ds[int(i)]
+
+    def __getitems__(self, indices: Sequence[int]) -> Any:
+        batch = self.ds[list(indices)]
+        if all(isinstance(v, torch.Tensor) for v in batch.values()):
+            return batch  # equal-length columns came back stacked
+        return [{k: v[j] for k, v in batch.items()} for j in range(len(indices))]  # ragged: collate per sample
+
+
+class _Filtered(Dataset):
+    """A dict-sample dataset with some keys dropped (the columns the model does not take)."""
+
+    def __init__(self, ds: Dataset, keep: Callable[[str], bool]) -> None:
+        self.ds, self.keep = ds, keep
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> Any:
+        s = self.ds[i]
+        return {k: v for k, v in s.items() if self.keep(k)} if isinstance(s, Mapping) else s
+
+
+def _is_hf_dataset(ds: Any) -> bool:
+    return hasattr(ds, "column_names") and hasattr(ds, "with_format") and hasattr(ds, "remove_columns")
+
+
+def _stack_columns(samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor] | None:
+    """A list of dict samples as a dict of stacked tensors, or None where shapes differ."""
+    keys = list(samples[0])
+    if any(list(s) != keys for s in samples):
+        return None
+    columns = {}
+    for k in keys:
+        try:
+            values = [torch.as_tensor(s[k]) for s in samples]
+            columns[k] = torch.stack(values)
+        except (RuntimeError, TypeError, ValueError):
+            return None
+    return columns
+
+
+def prepare_dataset(dataset: Any, model: torch.nn.Module, *, remove_unused_columns: bool,
+                    label_names: list[str], custom_collator: bool) -> Dataset:
+    """Adapt ``dataset`` for fast batched fetching and drop the columns the model cannot take.
+
+    Args:
+        dataset: a torch ``Dataset``/``IterableDataset``, a list of dicts (or of tuples), or a
+            Hugging Face ``datasets.Dataset``.
+        model: the model whose ``forward`` signature decides which columns are kept.
+        remove_unused_columns: drop columns the forward does not accept (Hugging Face's rule).
+        label_names: label columns, always kept.
+        custom_collator: the user gave a ``data_collator``; samples are then handed to it one by
+            one as dicts, so no stacking is done here.
+    """
+    names, takes_kwargs = model_input_names(model)
+    allowed = set(names) | set(label_names) | {"label", "label_ids", "labels"}
+
+    def keep(column: str) -> bool:
+        return not remove_unused_columns or takes_kwargs or column in allowed
+
+    if _is_hf_dataset(dataset):
+        unused = [c for c in dataset.column_names if not keep(c)]
+        if unused and len(unused) == len(dataset.column_names):
+            raise ValueError(f"none of the dataset's columns ({', '.join(dataset.column_names)}) is an argument of "
+                             f"the model's forward({', '.join(names)}); rename them, or set remove_unused_columns=False")
+        if unused:
+            dataset = dataset.remove_columns(unused)
+        return dataset.with_format("torch") if custom_collator else _HFDataset(dataset)
+    if isinstance(dataset, IterableDataset):
+        return dataset
+    if isinstance(dataset, torch.utils.data.TensorDataset):
+        return _ColumnDataset(tuple(dataset.tensors))
+    if isinstance(dataset, list) and dataset and not custom_collator:
+        if isinstance(dataset[0], Mapping):
+            columns = _stack_columns([{k: v for k, v in s.items() if keep(k)} for s in dataset])
+            if columns is not None:
+                return _ColumnDataset(columns)
+        elif isinstance(dataset[0], (tuple, list)):
+            try:
+                return _ColumnDataset(tuple(torch.stack([torch.as_tensor(s[j]) for s in dataset])
+                                            for j in range(len(dataset[0]))))
+            except (RuntimeError, TypeError, ValueError):
+                pass
+    if remove_unused_columns and not takes_kwargs and hasattr(dataset, "__getitem__") \
+            and not hasattr(dataset, "__getitems__"):
+        return _Filtered(dataset, keep)
+    return dataset

@@ -1,0 +1,100 @@
+"""Calling duck-typed models and reading what they return."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["call_model", "extract_loss", "extract_logits", "nested_concat", "to_numpy"]
+
+_UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
+_MISSING = re.compile(r"missing \d+ required positional arguments?: (.+)$")
+
+
+def call_model(model: torch.nn.Module, inputs: Any, user_model: torch.nn.Module) -> Any:
+    """``model(**inputs)`` for dict batches, ``model(*inputs)`` for tuples, else ``model(inputs)``.
+
+    A batch the model cannot take gets an error naming the column and the model's signature.
+    """
+    try:
+        if isinstance(inputs, Mapping):
+            return model(**inputs)
+        if isinstance(inputs, (tuple, list)):
+            return model(*inputs)
+        return model(inputs)
+    except TypeError as e:
+        text = str(e)
+        m = _UNEXPECTED.search(text) or _MISSING.search(text)
+        if m is None:
+            raise
+        forward = getattr(user_model, "_mixprec_original_forward", user_model.forward)
+        sig = f"{type(user_model).__name__}.forward{inspect.signature(forward)}"
+        have = ", ".join(inputs) if isinstance(inputs, Mapping) else f"{len(inputs)} positional values"
+        what = (f"the batch has a column {m.group(1)!r} that {sig} does not accept"
+                if m.re is _UNEXPECTED else f"{sig} needs {m.group(1)}, which the batch ({have}) lacks")
+        raise ValueError(f"{what}. Rename or drop the column (remove_unused_columns=True drops the ones the "
+                         "model does not take), or pass a data_collator that builds the model's inputs") from e
+
+
+def extract_loss(outputs: Any) -> torch.Tensor | None:
+    """The loss in a model's output: a 0-d tensor, ``["loss"]``, ``.loss``, or a tuple's first item."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs if outputs.dim() == 0 else None
+    if isinstance(outputs, Mapping):
+        return outputs.get("loss")
+    loss = getattr(outputs, "loss", None)
+    if loss is not None:
+        return loss
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor) and outputs[0].dim() == 0:
+        return outputs[0]
+    return None
+
+
+def extract_logits(outputs: Any, ignore_keys: list[str]) -> Any:
+    """Everything a model returned except the loss (one tensor, or a tuple of them)."""
+    if isinstance(outputs, torch.Tensor):
+        return None if outputs.dim() == 0 else outputs
+    if isinstance(outputs, Mapping) or hasattr(outputs, "__dataclass_fields__"):
+        items = outputs.items() if isinstance(outputs, Mapping) else vars(outputs).items()
+        found = tuple(v for k, v in items if k != "loss" and k not in ignore_keys and isinstance(v, torch.Tensor))
+    elif isinstance(outputs, (tuple, list)):
+        found = tuple(v for v in outputs if isinstance(v, torch.Tensor) and v.dim() > 0)
+    else:
+        return None
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else found
+
+
+def _pad_cat(parts: list[torch.Tensor], pad: int = -100) -> torch.Tensor:
+    if all(p.shape[1:] == parts[0].shape[1:] for p in parts):
+        return torch.cat(parts)
+    # Variable sequence lengths across batches: pad as Hugging Face does, with -100.
+    dims = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+    out = parts[0].new_full((sum(len(p) for p in parts), *dims), pad)
+    row = 0
+    for p in parts:
+        out[(slice(row, row + len(p)), *[slice(0, s) for s in p.shape[1:]])] = p
+        row += len(p)
+    return out
+
+
+def nested_concat(parts: list[Any]) -> Any:
+    """Concatenate per-batch tensors (or tuples of them) along dim 0."""
+    if isinstance(parts[0], (tuple, list)):
+        return type(parts[0])(nested_concat([p[i] for p in parts]) for i in range(len(parts[0])))
+    return _pad_cat(parts)
+
+
+def to_numpy(x: Any) -> Any:
+    """Tensors (or tuples of them) as numpy arrays; bf16/fp16 become float32."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_numpy(v) for v in x)
+    if x.is_floating_point() and x.dtype != torch.float64:
+        x = x.float()
+    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)

@@ -1,0 +1,509 @@
+"""The Trainer tier: the whole loop, built on :class:`~mixprec.Accelerator`.
+
+Code written for the Hugging Face Trainer runs with ``from mixprec import Trainer,
+TrainingArguments``. Precision, devices, processes and checkpoints are the Accelerator's; this
+file is the loop, evaluation, and the bookkeeping around them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import safetensors.torch
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
+from ..accelerator import Accelerator
+from ..checkpoint import is_complete_checkpoint
+from .args import TrainingArguments
+from .callbacks import (
+    CallbackHandler,
+    JsonlLoggerCallback,
+    ProgressCallback,
+    TensorBoardCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+)
+from .data import collate, model_input_names, prepare_dataset
+from .outputs import call_model, extract_logits, extract_loss, nested_concat, to_numpy
+from .schedules import get_scheduler
+
+__all__ = ["Trainer", "TrainOutput", "EvalPrediction", "PredictionOutput", "set_seed"]
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+class EvalPrediction(NamedTuple):
+    """What ``compute_metrics`` receives: numpy ``predictions`` and ``label_ids``."""
+
+    predictions: Any
+    label_ids: Any
+
+
+class TrainOutput(NamedTuple):
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class PredictionOutput(NamedTuple):
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Train, evaluate and checkpoint a model, in mixed precision, in one call.
+
+    Args:
+        model: a Hugging Face model (keyword batches, ``.loss``) or an ``nn.Module`` returning a
+            loss tensor or a dict with ``"loss"``. Trained in place; ``trainer.model`` is it.
+        args: :class:`TrainingArguments` (defaults if ``None``).
+        data_collator: builds a batch from a list of samples (default: torch's ``default_collate``).
+        train_dataset, eval_dataset: torch datasets, lists of dicts, or Hugging Face datasets;
+            ``eval_dataset`` may be a dict of them (metrics get each name in their prefix).
+        compute_metrics: ``EvalPrediction -> dict`` of metrics.
+        callbacks: :class:`TrainerCallback` instances or classes.
+        optimizers: ``(optimizer, scheduler)`` to use instead of the ones ``args`` describe.
+        preprocess_logits_for_metrics: ``(logits, labels) -> logits`` applied per batch.
+
+    Example:
+        >>> trainer = Trainer(model=model, args=TrainingArguments(output_dir="out", bf16=True),
+        ...                   train_dataset=train, eval_dataset=val)  # doctest: +SKIP
+        >>> trainer.train()  # doctest: +SKIP
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, args: TrainingArguments | None = None,
+                 data_collator: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, compute_metrics: Any = None, callbacks: list | None = None,
+                 optimizers: tuple[Any, Any] = (None, None), preprocess_logits_for_metrics: Any = None) -> None:
+        if model is None:
+            raise ValueError("Trainer needs a model")
+        self.args = args if args is not None else TrainingArguments()
+        if not isinstance(self.args, TrainingArguments):
+            raise TypeError(f"args must be mixprec.TrainingArguments, got {type(self.args).__name__}")
+        set_seed(self.args.seed)
+        self.accelerator = Accelerator(mixed_precision=self.args.resolved_precision,
+                                       gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+                                       cpu=self.args.use_cpu, loss_scaler=self.args.loss_scaler)
+        self.model = model
+        self.model_wrapped = self.accelerator.prepare_model(model)
+        self.data_collator = data_collator
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.processing_class = processing_class
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        names, _ = model_input_names(model)
+        self.label_names = self.args.label_names or ([n for n in names if "label" in n] or ["labels"])
+        default = [ProgressCallback] if not self.args.disable_tqdm else []
+        default += [JsonlLoggerCallback] if "jsonl" in self.args.reporters else []
+        default += [TensorBoardCallback] if "tensorboard" in self.args.reporters else []
+        self.callback_handler = CallbackHandler(default + list(callbacks or []))
+        self.state = TrainerState(is_world_process_zero=self.accelerator.is_main_process,
+                                  precision=self.accelerator.policy.name)
+        self.control = TrainerControl()
+        self._event("on_init_end")
+
+    # -- callbacks -------------------------------------------------------------------------
+    def add_callback(self, callback: TrainerCallback | type) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback: TrainerCallback | type) -> TrainerCallback | None:
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: TrainerCallback | type) -> None:
+        self.callback_handler.pop_callback(callback)
+
+    def _event(self, name: str, **kwargs: Any) -> TrainerControl:
+        kwargs.setdefault("model", self.model)
+        kwargs.update(optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
+        self.control = self.callback_handler.call(name, self.args, self.state, self.control, **kwargs)
+        return self.control
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process
+
+    # -- data --------------------------------------------------------------------------------
+    def _dataloader(self, dataset: Any, batch_size: int, shuffle: bool, checkpoint: bool) -> Any:
+        ds = prepare_dataset(dataset, self.model, remove_unused_columns=self.args.remove_unused_columns,
+                             label_names=self.label_names, custom_collator=self.data_collator is not None)
+        kwargs = dict(batch_size=batch_size, collate_fn=self.data_collator or collate,
+                      num_workers=self.args.dataloader_num_workers, drop_last=self.args.dataloader_drop_last)
+        if shuffle and not isinstance(ds, IterableDataset):
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            kwargs["sampler"] = RandomSampler(ds, generator=torch.Generator().manual_seed(seed))
+        return self.accelerator.prepare_data_loader(DataLoader(ds, **kwargs), checkpoint=checkpoint)
+
+    def get_train_dataloader(self) -> Any:
+        """The training dataloader: shuffled by ``data_seed`` (else ``seed``), batches fetched at once."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train() needs a train_dataset")
+        return self._dataloader(self.train_dataset, self.args.per_device_train_batch_size, True, checkpoint=True)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if ds is None:
+            raise ValueError("evaluation needs an eval_dataset (pass one to Trainer or to evaluate())")
+        return self._dataloader(ds, self.args.per_device_eval_batch_size, False, checkpoint=False)
+
+    # -- optimizer ---------------------------------------------------------------------------
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW (or SGD) as ``args`` say; no weight decay on biases and norm weights (1-d tensors)."""
+        a = self.args
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": a.weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        if a.optim == "sgd":
+            return torch.optim.SGD(groups, lr=a.learning_rate)
+        return torch.optim.AdamW(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
+                                 fused=True if a.optim == "adamw_torch_fused" else None)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """Train; ``resume_from_checkpoint=True`` continues from the newest complete checkpoint in
+        ``output_dir`` (or a path), at the exact batch, with the same data order and RNG."""
+        args, acc = self.args, self.accelerator
+        resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        train_dl = self.get_train_dataloader()
+        try:
+            per_epoch = max(1, math.ceil(len(train_dl) / args.gradient_accumulation_steps))
+        except TypeError:
+            per_epoch = None
+        if args.max_steps > 0:
+            max_steps = args.max_steps
+        elif per_epoch is None:
+            raise ValueError("the train dataset has no length: set max_steps to say how long to train")
+        else:
+            max_steps = math.ceil(args.num_train_epochs * per_epoch)
+        num_epochs = math.ceil(max_steps / per_epoch) if per_epoch else 2**62
+        if self.optimizer is None:
+            self.optimizer = self.create_optimizer()
+        if self.lr_scheduler is None:
+            self.lr_scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, args.warmup_for(max_steps), max_steps)
+        self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
+        model = torch.compile(self.model_wrapped) if args.torch_compile else self.model_wrapped
+        self.state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs, logging_steps=args.logging_steps,
+                                  eval_steps=args.eval_steps, save_steps=args.save_steps,
+                                  train_batch_size=args.per_device_train_batch_size,
+                                  is_world_process_zero=acc.is_main_process, precision=acc.policy.name)
+        if resume:
+            path = self._checkpoint_to_resume(resume)
+            acc.load_state(path)
+            self.state = TrainerState.load_from_json(path / "trainer_state.json")
+        self._loss_since_log = torch.tensor(self.state.loss_since_log, device=acc.device)
+        self._steps_since_log = self.state.steps_since_log
+        self._micro_in_step = 0
+        self._done = {"log": -1, "evaluate": -1, "save": -1}
+        self._grad_norm = None
+        start_time = time.time()
+        self._event("on_train_begin", train_dataloader=train_dl)
+        for epoch in range(train_dl.epoch, num_epochs):
+            train_dl.set_epoch(epoch)
+            self._event("on_epoch_begin", train_dataloader=train_dl)
+            for batch in train_dl:
+                with acc.accumulate(model):
+                    self._train_one(model, batch, epoch, train_dl)
+                if self.control.should_epoch_stop or self.control.should_training_stop:
+                    break
+            self.control.should_epoch_stop = False
+            self._event("on_epoch_end", train_dataloader=train_dl)
+            self._maybe_log_save_evaluate(model, epoch_end=True)
+            if self.control.should_training_stop or self.state.global_step >= max_steps:
+                break
+        return self._finish(start_time)
+
+    def _train_one(self, model: torch.nn.Module, batch: Any, epoch: int, train_dl: Any) -> None:
+        acc, args = self.accelerator, self.args
+        if self._micro_in_step == 0:
+            self._event("on_step_begin")
+        loss = self.training_step(model, batch)
+        self._loss_since_log = self._loss_since_log + loss / args.gradient_accumulation_steps
+        self._micro_in_step += 1
+        if not acc.sync_gradients:
+            return
+        self._micro_in_step = 0
+        # The step a reader can hold in their head: (scaled backward done) -> unscale + clip -> step or
+        # skip (inside optimizer.step) -> schedule (only if applied) -> zero.
+        if args.max_grad_norm:
+            self._grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        self.optimizer.step()
+        self._event("on_optimizer_step")
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.global_step += 1
+        self._steps_since_log += 1
+        self.state.epoch = epoch + train_dl.batches_yielded / max(1, len(train_dl))
+        self._event("on_step_end")
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            self.control.should_save = self.control.should_save or args.save_strategy == "steps"
+        self._maybe_log_save_evaluate(model, epoch_end=False)
+
+    def training_step(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        """Forward, loss, backward (scaled where the policy needs it); returns the detached loss."""
+        model.train()
+        loss = self.compute_loss(model, inputs)
+        self.accelerator.backward(loss)
+        return loss.detach().float()
+
+    def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """The model's loss on ``inputs`` (override for a custom loss)."""
+        outputs = call_model(model, inputs, self.model)
+        loss = extract_loss(outputs)
+        if loss is None:
+            have = ", ".join(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+            missing = [k for k in self.label_names if not (isinstance(inputs, dict) and k in inputs)]
+            raise ValueError(
+                f"the model returned no loss. The batch has {have}"
+                + (f" but no label column {', '.join(map(repr, missing))}" if missing else "")
+                + "; add the labels to the dataset (or name them with label_names), make the model return a "
+                "loss, or override Trainer.compute_loss")
+        return (loss, outputs) if return_outputs else loss
+
+    # -- log / evaluate / save ------------------------------------------------------------
+    def _due(self, strategy: str, every: int | None, epoch_end: bool) -> bool:
+        if strategy == "epoch":
+            return epoch_end
+        return strategy == "steps" and not epoch_end and self.state.global_step % every == 0
+
+    def _maybe_log_save_evaluate(self, model: torch.nn.Module, epoch_end: bool) -> None:
+        a, s, c = self.args, self.state, self.control
+        first = a.logging_first_step and s.global_step == 1 and not epoch_end
+        if (self._due(a.logging_strategy, a.logging_steps, epoch_end) or first or c.should_log) \
+                and self._done["log"] != s.global_step and self._steps_since_log:
+            self._log_training()
+        metrics = None
+        if (self._due(a.eval_strategy, a.eval_steps, epoch_end) or c.should_evaluate) \
+                and self._done["evaluate"] != s.global_step and self.eval_dataset is not None:
+            metrics = self.evaluate()
+            self._done["evaluate"] = s.global_step
+        improved = self._track_best(metrics) if metrics is not None else False
+        if (self._due(a.save_strategy, a.save_steps, epoch_end) or c.should_save) and self._done["save"] != s.global_step:
+            self._save_checkpoint(improved)
+            self._done["save"] = s.global_step
+        c.should_log = c.should_evaluate = c.should_save = False
+
+    def _log_training(self) -> None:
+        acc, s = self.accelerator, self.state
+        loss = acc.reduce(self._loss_since_log, "mean").item() / self._steps_since_log
+        s.total_loss += loss * self._steps_since_log
+        logs: dict[str, Any] = {"loss": round(loss, 6)}
+        if self._grad_norm is not None:
+            logs["grad_norm"] = float(self._grad_norm)
+        logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+        if acc.scaler is not None:
+            s.skipped_steps, s.loss_scale = acc.scaler.skipped_steps, acc.scaler.get_scale()
+            logs.update(loss_scale=s.loss_scale, skipped_steps=s.skipped_steps)
+        self._loss_since_log = torch.zeros((), device=acc.device)
+        self._steps_since_log = 0
+        self._done["log"] = s.global_step
+        self.log(logs)
+
+    def log(self, logs: dict[str, Any]) -> None:
+        """Record ``logs`` in ``state.log_history`` and hand them to the callbacks (``on_log``)."""
+        entry = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
+        self.state.log_history.append(entry)
+        self._event("on_log", logs=dict(logs, epoch=entry["epoch"]))
+
+    def _metric_key(self) -> str:
+        name = self.args.metric_for_best_model
+        return name if name.startswith("eval_") else f"eval_{name}"
+
+    def _track_best(self, metrics: dict[str, float]) -> bool:
+        if self.args.metric_for_best_model is None:
+            return False
+        key = self._metric_key()
+        if key not in metrics:
+            raise ValueError(f"metric_for_best_model={self.args.metric_for_best_model!r}: evaluation produced no "
+                             f"{key!r}; it produced {', '.join(sorted(metrics))}. Use one of those names (without "
+                             "the 'eval_' prefix), or return it from compute_metrics")
+        value, best = metrics[key], self.state.best_metric
+        better = best is None or (value > best if self.args.greater_is_better else value < best)
+        if better:
+            self.state.best_metric = value
+        return better
+
+    def _save_checkpoint(self, improved: bool) -> Path:
+        out = Path(self.args.output_dir)
+        path = out / f"checkpoint-{self.state.global_step}"
+        if improved:
+            self.state.best_model_checkpoint = str(path)
+        if self.accelerator.scaler is not None:
+            self.state.skipped_steps = self.accelerator.scaler.skipped_steps
+            self.state.loss_scale = self.accelerator.scaler.get_scale()
+        self.state.loss_since_log = float(self._loss_since_log)
+        self.state.steps_since_log = self._steps_since_log
+        self.accelerator.save_state(path, extra_files={"trainer_state.json": self.state.to_json_string(),
+                                                       "training_args.json": self.args.to_json_string()})
+        if self.accelerator.is_main_process:
+            self._rotate_checkpoints(out)
+        self._event("on_save")
+        return path
+
+    def _checkpoints(self, out: Path) -> list[Path]:
+        found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*") if (m := _CHECKPOINT.match(p.name))]
+        return [p for _, p in sorted(found) if is_complete_checkpoint(p)]
+
+    def _rotate_checkpoints(self, out: Path) -> None:
+        for stale in out.glob(".checkpoint-*.tmp-*"):  # staging folders of a save that crashed
+            shutil.rmtree(stale, ignore_errors=True)
+        limit = self.args.save_total_limit
+        if limit is None:
+            return
+        ckpts = self._checkpoints(out)
+        best = self.state.best_model_checkpoint
+        keep = set(ckpts[-limit:])
+        if best is not None and Path(best) in ckpts:
+            keep.add(Path(best))  # never the best; with limit 1 this keeps the best and the newest
+        for p in ckpts:
+            if p not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _checkpoint_to_resume(self, resume: str | bool) -> Path:
+        if resume is True:
+            ckpts = self._checkpoints(Path(self.args.output_dir))
+            if not ckpts:
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete checkpoint")
+            return ckpts[-1]
+        return Path(resume)
+
+    def _finish(self, start_time: float) -> TrainOutput:
+        s = self.state
+        if self._steps_since_log:
+            s.total_loss += self.accelerator.reduce(self._loss_since_log, "mean").item()
+        runtime = time.time() - start_time
+        if self.args.load_best_model_at_end and s.best_model_checkpoint is not None:
+            safetensors.torch.load_model(self.accelerator.unwrap_model(self.model),
+                                         str(Path(s.best_model_checkpoint) / "model_0.safetensors"),
+                                         device=str(self.accelerator.device))
+        metrics = {"train_runtime": round(runtime, 4),
+                   "train_samples_per_second": round(s.global_step * self.args.per_device_train_batch_size
+                                                     * self.args.gradient_accumulation_steps
+                                                     * self.accelerator.num_processes / max(runtime, 1e-9), 3),
+                   "train_steps_per_second": round(s.global_step / max(runtime, 1e-9), 3),
+                   "train_loss": s.total_loss / max(1, s.global_step)}
+        self.log(metrics)
+        self._event("on_train_end")
+        return TrainOutput(s.global_step, metrics["train_loss"], metrics)
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss and ``compute_metrics`` on the eval set(s); logged and passed to ``on_evaluate``."""
+        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(ds, dict):
+            metrics: dict[str, float] = {}
+            for name, part in ds.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        out = self._evaluation_loop(self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix)
+        self.log(out.metrics)
+        self._event("on_evaluate", metrics=out.metrics)
+        return out.metrics
+
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        """Predictions (numpy), labels (where present) and metrics on ``test_dataset``."""
+        out = self._evaluation_loop(self.get_eval_dataloader(test_dataset), ignore_keys, metric_key_prefix)
+        self._event("on_predict", metrics=out.metrics)
+        return out
+
+    def _eval_autocast(self) -> Any:
+        # fp16_full_eval / bf16_full_eval: evaluation computes in that dtype. mixprec autocasts
+        # instead of casting the weights (Hugging Face's .half()), so training can go on after it.
+        if self.args.fp16_full_eval or self.args.bf16_full_eval:
+            dtype = torch.float16 if self.args.fp16_full_eval else torch.bfloat16
+            return torch.autocast(self.accelerator.device.type, dtype=dtype)
+        return contextlib.nullcontext()
+
+    def _evaluation_loop(self, dl: Any, ignore_keys: list[str] | None, prefix: str) -> PredictionOutput:
+        acc, model = self.accelerator, self.model_wrapped
+        was_training = model.training
+        model.eval()
+        losses, preds, labels = [], [], []
+        start, n = time.time(), 0
+        for inputs in dl:
+            with torch.no_grad(), self._eval_autocast():
+                outputs = call_model(model, inputs, self.model)
+            bs = _batch_size(inputs)
+            loss = extract_loss(outputs)
+            if loss is not None:
+                losses.append(acc.gather_for_metrics(loss.detach().float().reshape(1).repeat(bs)).cpu())
+            logits = extract_logits(outputs, ignore_keys or [])
+            label = _labels(inputs, self.label_names)
+            if logits is not None and self.preprocess_logits_for_metrics is not None:
+                logits = self.preprocess_logits_for_metrics(logits, label)
+            if logits is not None:
+                preds.append(_cpu(acc.gather_for_metrics(logits)))
+            if label is not None:
+                labels.append(_cpu(acc.gather_for_metrics(label)))
+            n += bs
+        model.train(was_training)
+        predictions = to_numpy(nested_concat(preds)) if preds else None
+        label_ids = to_numpy(nested_concat(labels)) if labels else None
+        metrics: dict[str, float] = {}
+        if losses:
+            metrics[f"{prefix}_loss"] = float(torch.cat(losses).mean())
+        if self.compute_metrics is not None and predictions is not None and label_ids is not None:
+            for k, v in self.compute_metrics(EvalPrediction(predictions, label_ids)).items():
+                metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = float(v)
+        runtime = time.time() - start
+        metrics.update({f"{prefix}_runtime": round(runtime, 4),
+                        f"{prefix}_samples_per_second": round(n * acc.num_processes / max(runtime, 1e-9), 3)})
+        return PredictionOutput(predictions, label_ids, metrics)
+
+    # -- models out ------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """Save the model's weights (safetensors; ``save_pretrained`` for Hugging Face models)."""
+        out = Path(output_dir or self.args.output_dir)
+        model = self.accelerator.unwrap_model(self.model)
+        if hasattr(model, "save_pretrained") and hasattr(model, "config"):
+            if self.accelerator.is_main_process:
+                model.save_pretrained(str(out), safe_serialization=True)
+            self.accelerator.wait_for_everyone()
+        else:
+            self.accelerator.save_model(model, out)
+        if self.accelerator.is_main_process:
+            self.args.to_json_file(out / "training_args.json")
+        return out
+
+
+def _batch_size(inputs: Any) -> int:
+    if isinstance(inputs, torch.Tensor):
+        return len(inputs)
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return len(v)
+    return 1
+
+
+def _labels(inputs: Any, names: list[str]) -> Any:
+    if not isinstance(inputs, dict) or not all(k in inputs for k in names):
+        return None
+    found = tuple(inputs[k] for k in names)
+    return found[0] if len(found) == 1 else found
+
+
+def _cpu(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cpu(v) for v in x)
+    return x.detach().cpu()
