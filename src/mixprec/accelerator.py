@@ -320,8 +320,9 @@ class Accelerator:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if not self.sync_gradients:
             return None
-        for opt in self._optimizers_for(params):
-            self.unscale_gradients(opt)
+        if self.scaler is not None:
+            for opt in self._optimizers_for(params):
+                self.unscale_gradients(opt)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
@@ -329,8 +330,9 @@ class Accelerator:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if not self.sync_gradients:
             return
-        for opt in self._optimizers_for(params):
-            self.unscale_gradients(opt)
+        if self.scaler is not None:
+            for opt in self._optimizers_for(params):
+                self.unscale_gradients(opt)
         torch.nn.utils.clip_grad_value_(params, clip_value)
 
     @property

@@ -168,8 +168,11 @@ class Trainer:
         """AdamW (or SGD) as ``args`` say; no weight decay on biases and norm weights (1-d tensors)."""
         a = self.args
         params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": a.weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        if a.weight_decay:
+            groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": a.weight_decay},
+                      {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        else:  # one group: one fused kernel launch per step instead of two
+            groups = [{"params": params, "weight_decay": 0.0}]
         if a.optim == "sgd":
             return torch.optim.SGD(groups, lr=a.learning_rate)
         return torch.optim.AdamW(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
@@ -212,6 +215,7 @@ class Trainer:
         self._micro_in_step = 0
         self._done = {"log": -1, "evaluate": -1, "save": -1}
         self._grad_norm = None
+        self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # listed once, not per step
         start_time = time.time()
         self._event("on_train_begin", train_dataloader=train_dl)
         for epoch in range(train_dl.epoch, num_epochs):
@@ -242,7 +246,7 @@ class Trainer:
         # The step a reader can hold in their head: (scaled backward done) -> unscale + clip -> step or
         # skip (inside optimizer.step) -> schedule (only if applied) -> zero.
         if args.max_grad_norm:
-            self._grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            self._grad_norm = acc.clip_grad_norm_(self._trainable, args.max_grad_norm)
         self.optimizer.step()
         self._event("on_optimizer_step")
         self.lr_scheduler.step()
@@ -258,7 +262,8 @@ class Trainer:
 
     def training_step(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
         """Forward, loss, backward (scaled where the policy needs it); returns the detached loss."""
-        model.train()
+        if not model.training:  # train() walks every module: not on every step
+            model.train()
         loss = self.compute_loss(model, inputs)
         self.accelerator.backward(loss)
         return loss.detach().float()

@@ -1,0 +1,66 @@
+"""Shared pieces of the benchmarks: the jobs, a timer, and how results are printed."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from mixprec.tasks import GPT, GPTConfig, collate
+from mixprec.tasks.digits import DigitsDataset, DigitsMLP
+from mixprec.tasks.pycode import ByteBlockDataset, load_pycode_bytes
+
+GPT_SMALL = GPTConfig(block_size=128, n_layer=2, n_head=4, n_embd=128)
+GPT_MINI = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=256)
+
+
+def gpt_job(config: GPTConfig = GPT_SMALL, max_bytes: int = 400_000):
+    """A byte-level GPT on the standard library's source: (model factory, dataset)."""
+    data = ByteBlockDataset(load_pycode_bytes("train", max_bytes=max_bytes), config.block_size)
+    return (lambda: GPT(config)), data
+
+
+def digits_job():
+    """An MLP on scikit-learn's bundled digits: (model factory, dataset)."""
+    return (lambda: DigitsMLP(hidden_size=128)), DigitsDataset("train")
+
+
+def hand_loop(model, data, batch_size, dtype, steps, *, clip=None, fused=True, seed=0) -> list[float]:
+    """The hand-written torch.autocast loop: the baseline. Returns per-step seconds."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    g = torch.Generator().manual_seed(seed)
+    dl = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate, generator=g)
+    times, it = [], iter(dl)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(dl)
+            batch = next(it)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(**batch).loss
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
+    return times
+
+
+def median_after_warmup(times: list[float], warmup: int = 3) -> float:
+    return statistics.median(times[warmup:] if len(times) > warmup + 2 else times)
+
+
+def interleave(runs: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, list[float]]:
+    """Call each run once per round, in turn, so drift in the machine's speed hits all alike."""
+    out: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            out[name] += run()
+    return out

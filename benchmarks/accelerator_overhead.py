@@ -1,0 +1,77 @@
+"""The same small GPT training loop, hand-written with torch.autocast and through mixprec.Accelerator.
+
+fp32 and bf16, interleaved in rounds in one invocation. Prints the median step time of each,
+mixprec's ratio to the hand-written loop (target: within 2%), and bf16's speed-up over fp32.
+
+    .venv/bin/python benchmarks/accelerator_overhead.py [--steps 30] [--rounds 4] [--size small|mini]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from _common import GPT_MINI, GPT_SMALL, gpt_job, hand_loop, interleave, median_after_warmup
+
+from mixprec import Accelerator
+from mixprec.tasks import collate
+
+
+def accelerator_loop(acc, model, opt, dl, steps):
+    times, it = [], iter(dl)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(dl)
+            batch = next(it)
+        loss = model(**batch).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30, help="steps per round and variant")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--size", choices=["small", "mini"], default="small")
+    args = ap.parse_args()
+    config = GPT_SMALL if args.size == "small" else GPT_MINI
+    factory, data = gpt_job(config)
+    runs = {}
+    for prec, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        hand_model = factory()
+        runs[f"hand-written {prec}"] = (lambda m=hand_model, d=dtype: hand_loop(m, data, args.batch_size, d, args.steps))
+        torch.manual_seed(0)
+        acc = Accelerator(mixed_precision=prec, cpu=True)
+        model = factory()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        g = torch.Generator().manual_seed(0)
+        dl = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True, collate_fn=collate, generator=g)
+        model, opt, dl = acc.prepare(model, opt, dl)
+        runs[f"mixprec.Accelerator {prec}"] = (lambda a=acc, m=model, o=opt, d=dl: accelerator_loop(a, m, o, d, args.steps))
+    times = interleave(runs, args.rounds)
+    med = {k: median_after_warmup(v) for k, v in times.items()}
+    print(f"GPT {config.n_layer} layers x {config.n_embd}, block {config.block_size}, batch {args.batch_size}, "
+          f"fused AdamW, {args.rounds} rounds x {args.steps} steps, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    for k, v in med.items():
+        print(f"  {k:<28} {v * 1e3:8.2f} ms/step")
+    for prec in ("fp32", "bf16"):
+        r = med[f"mixprec.Accelerator {prec}"] / med[f"hand-written {prec}"]
+        print(f"  {prec}: mixprec / hand-written step time = {r:.3f}  (mixprec throughput {1 / r:.3f}x)")
+    print(f"  bf16 speed-up over fp32: hand-written {med['hand-written fp32'] / med['hand-written bf16']:.2f}x, "
+          f"mixprec {med['mixprec.Accelerator fp32'] / med['mixprec.Accelerator bf16']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
