@@ -12,10 +12,11 @@ import argparse
 import time
 
 import torch
-from _common import GPT_MINI, GPT_SMALL, gpt_job, hand_loop, interleave, median_after_warmup
 
 from mixprec import Accelerator
 from mixprec.tasks import collate
+
+from _common import GPT_MINI, GPT_SMALL, gpt_job, hand_loop, interleave, median_after_warmup
 
 
 def accelerator_loop(acc, model, opt, dl, steps):

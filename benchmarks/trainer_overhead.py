@@ -20,10 +20,11 @@ import time
 import types
 
 import torch
-from _common import GPT_SMALL, digits_job, gpt_job, hand_loop, interleave, median_after_warmup
 
 import mixprec
 from mixprec.tasks import collate
+
+from _common import GPT_SMALL, digits_job, gpt_job, hand_loop, interleave, median_after_warmup
 
 
 def step_times_callback(base):
@@ -85,12 +86,15 @@ def main():
     out = tempfile.mkdtemp()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 autocast, fused AdamW, clip 1.0")
     for job, ((factory, data), bs) in jobs.items():
+        def run(fn, f=factory, d=data, b=bs):
+            return lambda: fn(f(), d, b, args.steps, out)
+
         runs = {
-            "hand-written loop": lambda: hand_loop(factory(), data, bs, torch.bfloat16, args.steps, clip=1.0),
-            "mixprec Trainer": lambda: mixprec_trainer(factory(), data, bs, args.steps, out),
+            "hand-written loop": run(lambda m, d, b, n, _: hand_loop(m, d, b, torch.bfloat16, n, clip=1.0)),
+            "mixprec Trainer": run(mixprec_trainer),
         }
         if have_hf():
-            runs["Hugging Face Trainer"] = lambda: hf_trainer(factory(), data, bs, args.steps, out)
+            runs["Hugging Face Trainer"] = run(hf_trainer)
         med = {k: median_after_warmup(v) for k, v in interleave(runs, args.rounds).items()}
         base = med["hand-written loop"]
         print(f"{job}:")
