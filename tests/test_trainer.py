@@ -340,3 +340,24 @@ def test_real_hugging_face_bert_with_a_datasets_dataset(tmp_path, precision):
     trainer.train()
     acc = [r["eval_accuracy"] for r in trainer.state.log_history if "eval_accuracy" in r]
     assert len(acc) == 6 and acc[-1] > 0.75
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __iter__(self):
+        yield from self.samples
+
+
+def test_iterable_datasets_train_for_max_steps_and_need_it(tmp_path):
+    out = Trainer(model=Classifier(), args=args(tmp_path, max_steps=5), train_dataset=Stream(blobs(200))).train()
+    assert out.global_step == 5
+    with pytest.raises(ValueError, match="set max_steps"):
+        Trainer(model=Classifier(), args=args(tmp_path), train_dataset=Stream(blobs(20))).train()
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
+    out = Trainer(model=Classifier(), args=args(tmp_path, gradient_accumulation_steps=4, num_train_epochs=1),
+                  train_dataset=blobs(128)).train()
+    assert out.global_step == 2  # 8 batches of 16, 4 per optimizer step

@@ -186,9 +186,10 @@ class Trainer:
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         train_dl = self.get_train_dataloader()
         try:
-            per_epoch = max(1, math.ceil(len(train_dl) / args.gradient_accumulation_steps))
-        except TypeError:
-            per_epoch = None
+            self._batches_per_epoch = len(train_dl)
+            per_epoch = max(1, math.ceil(self._batches_per_epoch / args.gradient_accumulation_steps))
+        except TypeError:  # an IterableDataset without __len__
+            self._batches_per_epoch, per_epoch = None, None
         if args.max_steps > 0:
             max_steps = args.max_steps
         elif per_epoch is None:
@@ -253,7 +254,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
         self._steps_since_log += 1
-        self.state.epoch = epoch + train_dl.batches_yielded / max(1, len(train_dl))
+        self.state.epoch = epoch + (train_dl.batches_yielded / self._batches_per_epoch if self._batches_per_epoch else 0)
         self._event("on_step_end")
         if self.state.global_step >= self.state.max_steps:
             self.control.should_training_stop = True
