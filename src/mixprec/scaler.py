@@ -169,7 +169,8 @@ class LossScaler(GradScaler):
                 "update() found no inf/NaN checks for this iteration; call scaler.step(optimizer) "
                 "(or scaler.unscale_(optimizer)) before scaler.update()"
             )
-        found = torch.stack(found_infs).sum().clamp_(max=1.0)
+        # One optimizer on one device (the common case) needs no reduction: its flag is 0 or 1.
+        found = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum().clamp_(max=1.0)
         overflow = found > 0
         found_for_kernel = found
         if self._hysteresis > 1:  # a Python constant: hysteresis=1 costs nothing here
@@ -189,10 +190,11 @@ class LossScaler(GradScaler):
             counter = self._hysteresis_counter
             refill = torch.full_like(counter, self._hysteresis)
             counter.copy_(torch.where(tolerated, counter - 1, torch.where(grew, refill, counter)))
-        self._skipped.add_(overflow.long())
-        self._consecutive.copy_(torch.where(overflow, self._consecutive + 1, torch.zeros_like(self._consecutive)))
+        # In place and allocation-free: these run every step.
+        self._skipped.add_(overflow)
+        self._consecutive.add_(1).mul_(overflow)
         self._last_found_inf = overflow
-        self._history.append(torch.stack([scale.detach().clone(), found]))
+        self._history.append(torch.stack([scale, found.reshape(())]))  # stack copies: a snapshot
         self._total_steps += 1
         self._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
         if self._max_consecutive_skips is not None:

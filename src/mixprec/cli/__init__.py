@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import env
+from . import env, train
 
-_SUBCOMMANDS = {"env": env}
+_SUBCOMMANDS = {"env": env, "train": train}
 
 __all__ = ["main", "build_parser"]
 
@@ -29,10 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``mixprec`` command line; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    if getattr(args, "accepts_overrides", False):
+        return int(args.func(args, extra) or 0)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args) or 0)
 
 

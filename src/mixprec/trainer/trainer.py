@@ -210,7 +210,11 @@ class Trainer:
         if resume:
             path = self._checkpoint_to_resume(resume)
             acc.load_state(path)
-            self.state = TrainerState.load_from_json(path / "trainer_state.json")
+            saved = TrainerState.load_from_json(path / "trainer_state.json")
+            # The run continues as saved, but for as long as *these* arguments say (as in Hugging Face).
+            saved.max_steps, saved.num_train_epochs = max_steps, num_epochs
+            saved.logging_steps, saved.eval_steps, saved.save_steps = args.logging_steps, args.eval_steps, args.save_steps
+            self.state = saved
         self._loss_since_log = torch.tensor(self.state.loss_since_log, device=acc.device)
         self._steps_since_log = self.state.steps_since_log
         self._micro_in_step = 0

@@ -1,0 +1,149 @@
+"""``mixprec train``: example configs run, bad configs are refused before any work, Ctrl-C resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mixprec.cli import main
+from mixprec.cli.config import ConfigError, load_config, parse_overrides
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+FAST = ["--max-steps", "6", "--eval-steps", "3", "--save-steps", "3", "--disable-tqdm", "true",
+        "--num-train-epochs", "1", "--eval-strategy", "steps", "--save-strategy", "steps",
+        "--load-best-model-at-end", "false"]
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.toml")))
+def test_each_example_config_trains(tmp_path, example, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    out = tmp_path / "run"
+    small = ["--task.max_bytes", "100000", "--task.eval_max_bytes", "8000"] if example.startswith("pycode") else []
+    rc = main(["train", str(EXAMPLES / example), "--output-dir", str(out), *FAST, *small])
+    assert rc == 0, capsys.readouterr().err
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_loss" in r for r in rows)
+    assert "done: 6 steps" in capsys.readouterr().out
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("text, flags, match", [
+    ('[task]\nname = "pycode"\n[training]\nlearnig_rate = 1e-3\n', [], r"c.toml:4: \[training\] learnig_rate: unknown key; valid keys: output_dir"),
+    ('[task]\nname = "pycode"\n[training]\nmax_steps = "ten"\n', [], r"c.toml:4: \[training\] max_steps: expected int, got str"),
+    ('[task]\nname = "pycode"\n\n[trainig]\nx = 1\n', [], r"c.toml:4: \[trainig\]: unknown table; valid tables"),
+    ('[task]\nname = "pycod"\n', [], r"c.toml:2: \[task\] name: unknown task 'pycod'; valid tasks: pycode, digits"),
+    ('[task]\nname = "pycode"\nsize = "huge"\n', [], r"unknown size 'huge' for pycode; valid: tiny, mini, small"),
+    ('[task]\nname = "digits"\nsize = "tiny"\n', [], r"the digits task has no size; it takes arch"),
+    ('[task]\nmodel = "a.b:c"\n', [], r"needs both model and data"),
+    ('[task]\nname = "pycode"\n[precision]\nname = "fp12"\n', [], r"c.toml:4: \[precision\] name: unknown precision 'fp12'. Valid names"),
+    ('[task]\nname = "pycode"\n[training]\nfp16 = true\nbf16 = true\n', [], r"set only one"),
+    ('[task]\nname = "pycode"\n[training]\nresume_from_checkpoint = "nope/ckpt"\n', [], r"nope/ckpt does not exist"),
+    ('[task]\nname = "pycode"\n', ["--max-steps", "x"], r"\[training\] max_steps \(from the command line\): expected int"),
+    ('[task]\nname = "pycode"\n', ["--learnig-rate", "1"], r"unknown option --learnig-rate"),
+    ('[task]\nname = "pycode"\n', ["--max-steps"], r"--max-steps needs a value"),
+    ('[task\nname = "pycode"\n', [], r"not valid TOML.*line 1"),
+])
+def test_bad_configs_are_rejected_naming_key_file_line_and_choices(tmp_path, text, flags, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(write(tmp_path, text), flags)
+
+
+def test_a_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_flags_win_over_the_file(tmp_path):
+    cfg = load_config(write(tmp_path, '[task]\nname = "pycode"\n[training]\nmax_steps = 5\nlearning_rate = 0.1\n'),
+                      ["--max-steps", "7", "--precision", "bf16", "--task.size", "tiny"])
+    assert cfg.training.max_steps == 7 and cfg.training.learning_rate == 0.1
+    assert cfg.training.precision == "bf16" and cfg.task == {"name": "pycode", "size": "tiny"}
+
+
+def test_the_cli_prints_config_errors_without_a_traceback(tmp_path, capsys):
+    rc = main(["train", str(write(tmp_path, '[task]\nname = "pycode"\n[training]\nmax_steps = -5\n'))])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("mixprec train: error:") and "Traceback" not in err and "max_steps" in err
+
+
+def test_a_user_factory_that_does_not_import_is_a_config_error(tmp_path, capsys):
+    rc = main(["train", "--model", "no_such_module:model", "--data", "no_such_module:data",
+               "--output-dir", str(tmp_path)])
+    assert rc == 2 and "no_such_module" in capsys.readouterr().err
+
+
+_keys = st.sampled_from(["task", "training", "precision", "diagnostics", "name", "size", "max_steps", "fp16",
+                         "learning_rate", "output_dir", "x", "loss_scaler", "eval_strategy", "model"])
+_values = st.one_of(st.integers(-5, 10**6), st.floats(allow_nan=True), st.booleans(), st.text(max_size=8),
+                    st.just('"pycode"'), st.just('"tiny"'), st.just("[1, 2]"), st.just("{ a = 1 }"))
+
+
+@st.composite
+def toml_documents(draw):
+    lines = []
+    for _ in range(draw(st.integers(0, 6))):
+        if draw(st.booleans()):
+            lines.append(f"[{draw(_keys)}]")
+        value = draw(_values)
+        value = json.dumps(value) if isinstance(value, str) and not value.startswith(("[", "{", '"')) else value
+        value = str(value).lower() if isinstance(value, bool) else value
+        lines.append(f"{draw(_keys)} = {value}")
+    if draw(st.booleans()):
+        lines.append(draw(st.text(max_size=20)))
+    return "\n".join(lines)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=toml_documents(), flags=st.lists(st.one_of(st.sampled_from(["--max-steps", "--precision", "--task", "--x",
+                                                                       "--training.fp16", "--size", "-q", "--"]),
+                                                      st.text(max_size=6)), max_size=6))
+def test_arbitrary_toml_and_flags_give_only_config_errors(tmp_path, doc, flags):
+    path = tmp_path / "h.toml"
+    path.write_text(doc)
+    try:
+        cfg = load_config(path, flags)
+    except ConfigError:
+        return
+    assert cfg.task  # what passes is a complete, checked configuration
+
+
+def test_parse_overrides_reads_values_as_toml():
+    assert parse_overrides(["--learning-rate", "1e-3", "--fp16", "true", "--output-dir=runs/x"]) == {
+        "training": {"learning_rate": 1e-3, "fp16": True, "output_dir": "runs/x"}}
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resume_continues(tmp_path):
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "mixprec.cli", "train", str(EXAMPLES / "pycode-tiny.toml"), "--task.max_bytes",
+            "100000", "--output-dir", str(out), "--save-strategy", "no", "--eval-strategy", "no", "--disable-tqdm", "true"]
+    cmd = [*base, "--max-steps", "100000", "--logging-steps", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "stopped by Ctrl-C" in stdout and "--resume" in stdout
+    ckpts = list(out.glob("checkpoint-*"))
+    assert len(ckpts) == 1
+    step = int(ckpts[0].name.split("-")[1])
+    rc = subprocess.run([*base, "--max-steps", str(step + 3), "--resume"],
+                        capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert rc.returncode == 0, rc.stderr[-2000:]
+    assert f"done: {step + 3} steps" in rc.stdout
