@@ -1,0 +1,26 @@
+"""Precision diagnostics: what low precision does to a model's numbers. They observe only.
+
+* :class:`GradientStats`: per parameter and module, the fraction of gradient values that fp16 or
+  bf16 would flush to zero, keep as subnormals or overflow, unscaled and at the loss scale.
+* :class:`OverflowTracer`: the first module whose activation or gradient overflows its dtype.
+* :func:`precision_drift`: a batch's loss under autocast beside the same loss in fp32.
+* :data:`FORMAT_LIMITS`: the fp16 and bf16 range facts, from ``torch.finfo``.
+
+Nothing here changes a gradient, an activation, a parameter or an RNG stream, and nothing
+syncs the host with the device except the methods whose docstrings say so.
+"""
+
+from .drift import precision_drift
+from .gradient_stats import GradientStats
+from .limits import FORMAT_LIMITS, FormatLimits, format_limits
+from .tracer import OverflowTracer, TraceEvent
+
+__all__ = [
+    "FORMAT_LIMITS",
+    "FormatLimits",
+    "GradientStats",
+    "OverflowTracer",
+    "TraceEvent",
+    "format_limits",
+    "precision_drift",
+]
