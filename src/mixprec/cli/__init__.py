@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import env, train
+from . import bench, demo, env, train
 
-_SUBCOMMANDS = {"env": env, "train": train}
+_SUBCOMMANDS = {"demo": demo, "train": train, "bench": bench, "env": env}
 
 __all__ = ["main", "build_parser"]
 
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mixprec",
         description="Fast, safe mixed-precision training for PyTorch.",
-        epilog="Example: mixprec env --json",
+        epilog="Examples:\n  mixprec demo\n  mixprec train examples/pycode-tiny.toml\n  mixprec env --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

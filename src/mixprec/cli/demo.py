@@ -1,0 +1,197 @@
+"""``mixprec demo``: what mixed precision does for training here, in about three minutes.
+
+Trains the built-in ``pycode`` GPT with the precision ``auto`` picks, beside a short fp32
+reference run on the same data, then prints a summary and writes a run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EXAMPLES = """Examples:
+  mixprec demo                              # ~3 minutes on 2 CPU cores
+  mixprec demo --size tiny --steps 40       # a quick look
+  mixprec demo --precision fp16 --out runs/fp16-demo
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="train a small GPT in mixed precision beside fp32 and show what it changes",
+                       description="Train the built-in pycode GPT (the Python standard library's source, byte by "
+                       "byte) with the precision 'auto' picks, beside a short fp32 run on the same data; print "
+                       "throughput, peak memory and validation loss for each; write a run folder with the "
+                       "checkpoint, metrics.jsonl, plots and a generated sample.",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="mini", choices=["tiny", "mini", "small"], help="model size (default: mini)")
+    p.add_argument("--precision", default="auto", help="the mixed run's precision (default: auto)")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps of the mixed run (default: 600)")
+    p.add_argument("--fp32-steps", type=int, default=None, help="steps of the fp32 reference (default: steps / 3)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--train-bytes", type=int, default=None, help="bytes of training text to read (default: 4 MB)")
+    p.add_argument("--eval-bytes", type=int, default=None, help="bytes of validation text (default: 200 kB)")
+    p.add_argument("--out", default=None, help="run folder (default: runs/demo-<time>)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+class _StepTimer:
+    """Times optimizer steps, leaving out the ones an evaluation ran in (throughput of training only)."""
+
+    def __new__(cls):
+        from ..trainer import TrainerCallback
+
+        class Timer(TrainerCallback):
+            def __init__(self):
+                self.intervals, self._last, self._eval = [], None, False
+
+            def on_step_end(self, args, state, control, **kwargs):
+                now = time.perf_counter()
+                if self._last is not None and not self._eval:
+                    self.intervals.append(now - self._last)
+                self._last, self._eval = now, False
+
+            def on_evaluate(self, args, state, control, **kwargs):
+                self._eval = True
+
+        return Timer()
+
+
+def _task(size: str, train_bytes: int | None, eval_bytes: int | None) -> Any:
+    from ..tasks import get_task
+
+    options = {k: v for k, v in (("max_bytes", train_bytes), ("eval_max_bytes", eval_bytes)) if v}
+    return get_task("pycode", size, **options)
+
+
+def _train(size: str, data: tuple[int | None, int | None], precision: str, steps: int, out: str, batch_size: int,
+           progress: bool) -> dict[str, Any]:
+    """One training run, meant to run in a fresh process so its peak memory is its own."""
+    import resource
+    import statistics
+    import warnings
+
+    from ..precision import PrecisionPerformanceWarning
+
+    warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # the parent process said it once already
+    from ..trainer import Trainer, TrainingArguments
+
+    task = _task(size, *data)
+    targs = TrainingArguments(
+        output_dir=out, precision=precision, max_steps=steps, per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=32, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=min(50, steps // 10),
+        weight_decay=0.1, optim="adamw_torch_fused", eval_strategy="steps", eval_steps=max(1, steps // 4),
+        save_strategy="steps", save_steps=steps, logging_steps=max(1, steps // 50), seed=0, disable_tqdm=not progress)
+    torch.manual_seed(0)
+    timer = _StepTimer()
+    trainer = Trainer(model=task.build_model(), args=targs, train_dataset=task.train_dataset,
+                      eval_dataset=task.eval_dataset, data_collator=task.collate_fn, compute_metrics=task.compute_metrics,
+                      preprocess_logits_for_metrics=task.preprocess_logits_for_metrics, callbacks=[timer])
+    device = trainer.accelerator.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    result = trainer.train()
+    if device.type == "cuda":
+        peak, kind = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    else:
+        peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of the run's own process"
+    hist = trainer.state.log_history
+    scaler = trainer.accelerator.scaler
+    final_eval = [h for h in hist if "eval_loss" in h][-1]
+    step_s = statistics.median(timer.intervals) if timer.intervals else float("nan")
+    return {
+        "precision": trainer.accelerator.policy.name,
+        "steps": result.global_step,
+        "median_step_seconds": step_s,
+        "tokens_per_second": batch_size * task.train_dataset.block_size / step_s,
+        "peak_memory_mb": peak / 2**20,
+        "memory_kind": kind,
+        "final_eval_loss": final_eval["eval_loss"],
+        "final_bits_per_byte": final_eval.get("eval_bits_per_byte", final_eval["eval_loss"] / math.log(2)),
+        "train": [(h["step"], h["loss"]) for h in hist if "loss" in h],
+        "eval": [(h["step"], h["eval_loss"]) for h in hist if "eval_loss" in h],
+        "scale_history": [(i + 1, s, k) for i, (s, k) in enumerate(scaler.scale_history)] if scaler else None,
+        "skipped_steps": scaler.skipped_steps if scaler else 0,
+        "checkpoint": str(sorted(Path(out).glob("checkpoint-*"))[-1]),
+    }
+
+
+def _in_fresh_process(*args: Any) -> dict[str, Any]:
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_train, *args).result()
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'run':<12} {'steps':>6} {'tokens/s':>10} {'speed-up':>9} {'peak RSS MB':>12} {'val loss':>9} {'bits/byte':>9}"
+    base = rows[0]["tokens_per_second"]
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['precision']:<12} {r['steps']:>6} {r['tokens_per_second']:>10.0f} "
+                     f"{r['tokens_per_second'] / base:>8.2f}x {r['peak_memory_mb']:>12.0f} "
+                     f"{r['final_eval_loss']:>9.3f} {r['final_bits_per_byte']:>9.3f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..plots import plot_loss_curves, plot_loss_scale
+    from ..precision import resolve_precision
+    from ..tasks import generate_sample
+
+    if args.steps < 4:
+        print("mixprec demo: error: --steps must be at least 4")
+        return 2
+    try:
+        policy = resolve_precision(args.precision)
+    except ValueError as e:
+        print(f"mixprec demo: error: {e}")
+        return 2
+    out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    fp32_steps = args.fp32_steps or max(4, args.steps // 3)
+    print(f"mixprec demo: pycode/{args.size}, mixed run in {policy.name}"
+          + (f" ({policy.reason})" if policy.reason else "") + f", fp32 reference for {fp32_steps} steps")
+    data = (args.train_bytes, args.eval_bytes)
+    task = _task(args.size, *data)
+    print(f"data: {len(task.train_dataset)} training blocks of {task.train_dataset.block_size} bytes from the "
+          f"standard library's source; {len(task.eval_dataset)} validation blocks")
+    # Each run in a fresh process: its peak memory is its own, not what an earlier run left.
+    reference = _in_fresh_process(args.size, data, "fp32", fp32_steps, str(out / "fp32"), args.batch_size, not args.no_progress)
+    mixed = _in_fresh_process(args.size, data, policy.name, args.steps, str(out), args.batch_size, not args.no_progress)
+    rows = [reference, mixed]
+    print()
+    print(_table(rows))
+    print(f"(speed-up: tokens/s against fp32; memory: {mixed['memory_kind']})")
+    if mixed["skipped_steps"]:
+        print(f"{mixed['skipped_steps']} fp16 steps were skipped for overflow (the loss scaler backed off)")
+    plots = [plot_loss_curves({"fp32": reference["train"], mixed["precision"]: mixed["train"]}, out / "loss_curve.png",
+                              evaluation={"fp32": reference["eval"], mixed["precision"]: mixed["eval"]},
+                              title=f"pycode/{args.size}: fp32 against {mixed['precision']}")]
+    if mixed["scale_history"]:
+        plots.append(plot_loss_scale(mixed["scale_history"], out / "loss_scale.png"))
+    import safetensors.torch
+
+    from ..accelerator import Accelerator
+
+    model = Accelerator(mixed_precision=policy.name).prepare(task.build_model())
+    safetensors.torch.load_model(model, str(Path(mixed["checkpoint"]) / "model_0.safetensors"))
+    sample = generate_sample(model, prompt="def ", max_new_tokens=300, generator=torch.Generator().manual_seed(0))
+    (out / "sample.txt").write_text(sample if isinstance(sample, str) else str(sample))
+    summary = {k: {kk: vv for kk, vv in r.items() if kk not in ("train", "eval", "scale_history")}
+               for k, r in (("fp32", reference), ("mixed", mixed))}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\nsample ({mixed['precision']} model, prompt 'def '):\n" + "\n".join(sample.splitlines()[:8]))
+    print(f"\nrun folder: {out}")
+    for what, path in [("checkpoint", mixed["checkpoint"]), ("metrics", out / "metrics.jsonl"),
+                       *[("plot", p) for p in plots], ("sample", out / "sample.txt"), ("summary", out / "summary.json")]:
+        if path is not None:
+            print(f"  {what:<10} {path}")
+    return 0
