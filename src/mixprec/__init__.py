@@ -4,6 +4,7 @@ Three tiers, each built on the one before: plain PyTorch with :class:`LossScaler
 ``torch.amp.GradScaler``), an :class:`Accelerator`, and a :class:`Trainer`.
 """
 
+from . import diagnostics
 from .accelerator import Accelerator
 from .checkpoint import CheckpointError
 from .hardware import DeviceCapability, detect_capability
@@ -46,6 +47,7 @@ __all__ = [
     "PrecisionPolicy",
     "__version__",
     "detect_capability",
+    "diagnostics",
     "get_task",
     "load_factory",
     "precision_names",

@@ -22,9 +22,10 @@ from torch.utils.data import DataLoader
 from . import checkpoint as ckpt
 from . import distributed as D
 from .data import PreparedDataLoader
-from .hardware import default_device
+from .diagnostics.monitor import DiagnosticsConfig, Monitor
+from .hardware import default_device, detect_capability
 from .precision import PrecisionPolicy, resolve_precision
-from .scaler import LossScaler
+from .scaler import LossScaleCollapse, LossScaler
 from .wrappers import AcceleratedOptimizer, AcceleratedScheduler, patch_forward, unpatch_forward
 
 __all__ = ["Accelerator"]
@@ -52,6 +53,11 @@ class Accelerator:
             gets a default one; bf16-mixed may take one (it rarely needs it).
         ddp_comm_hook: ``"fp16"`` or ``"bf16"`` compresses DDP's gradient all-reduce with
             torch's own hooks; ``None`` leaves it in fp32.
+        diagnostics: a :class:`~mixprec.diagnostics.DiagnosticsConfig` (or a dict of its fields):
+            gradient statistics, overflow tracing. They observe only. Off by default.
+        on_loss_scale_collapse: ``"raise"`` (default) lets :class:`~mixprec.LossScaleCollapse`
+            through; ``"fallback"`` switches the run to bf16-mixed where bf16 is native (else
+            fp32), says so in one log line naming the module the tracer blames, and continues.
 
     Example:
         >>> acc = Accelerator(mixed_precision="bf16", cpu=True)
@@ -64,12 +70,17 @@ class Accelerator:
 
     def __init__(self, mixed_precision: str | PrecisionPolicy | None = None, gradient_accumulation_steps: int = 1,
                  cpu: bool = False, device_placement: bool = True, loss_scaler: LossScaler | dict | None = None,
-                 ddp_comm_hook: str | None = None) -> None:
+                 ddp_comm_hook: str | None = None, diagnostics: DiagnosticsConfig | dict | None = None,
+                 on_loss_scale_collapse: str = "raise") -> None:
         if not isinstance(gradient_accumulation_steps, int) or isinstance(gradient_accumulation_steps, bool) \
                 or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
         if ddp_comm_hook not in (None, "fp16", "bf16"):
             raise ValueError(f"ddp_comm_hook must be None, 'fp16' or 'bf16', got {ddp_comm_hook!r}")
+        if on_loss_scale_collapse not in ("raise", "fallback"):
+            raise ValueError(f"on_loss_scale_collapse must be 'raise' or 'fallback', got {on_loss_scale_collapse!r}")
+        self.diagnostics = DiagnosticsConfig.coerce(diagnostics)
+        self.on_loss_scale_collapse = on_loss_scale_collapse
         device = torch.device("cpu") if cpu else default_device()
         self._process = D.init_from_env(device.type)
         if device.type == "cuda":
@@ -89,6 +100,9 @@ class Accelerator:
         self._dataloaders: list[PreparedDataLoader] = []
         self._custom_objects: list[Any] = []
         self._active_dataloaders: list[PreparedDataLoader] = []
+        self.monitor: Monitor | None = None
+        self.optimizer_steps = 0  # applied or skipped, counted by the first prepared optimizer
+        self.precision_fallbacks: list[dict[str, Any]] = []
 
     def _make_scaler(self, loss_scaler: LossScaler | dict | None) -> LossScaler | None:
         if loss_scaler is not None and self.policy.name in ("fp32", "bf16-true"):
@@ -184,6 +198,8 @@ class Accelerator:
         if self.policy.param_dtype != torch.float32:
             model.to(self.policy.param_dtype)
         patch_forward(model, self)
+        if self.diagnostics.enabled and self.monitor is None:
+            self.monitor = Monitor(self.diagnostics, model, self.scaler)
         if self.use_distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)
@@ -335,6 +351,54 @@ class Accelerator:
                 self.unscale_gradients(opt)
         torch.nn.utils.clip_grad_value_(params, clip_value)
 
+    # -- around each optimizer step (called by the prepared optimizer) ------------------
+    def _before_optimizer_step(self, wrapped: AcceleratedOptimizer) -> None:
+        if self.monitor is None or wrapped is not self._optimizers[0]:
+            return
+        carried = None
+        if self.scaler is not None and \
+                self.scaler._per_optimizer_states[id(wrapped.optimizer)]["stage"] is OptState.READY:
+            carried = self.scaler  # still scaled: not unscaled by clipping yet
+        self.monitor.before_step(self.optimizer_steps, carried)
+
+    def _after_optimizer_step(self, wrapped: AcceleratedOptimizer) -> None:
+        if wrapped is not self._optimizers[0]:
+            return
+        if self.monitor is not None:
+            self.monitor.after_step(self.optimizer_steps)
+        self.optimizer_steps += 1
+
+    def _on_loss_scale_collapse(self, error: LossScaleCollapse) -> None:
+        blame = self.monitor.blame() if self.monitor is not None else \
+            "turn on diagnostics (trace_overflow=True) to name the overflowing module"
+        if self.on_loss_scale_collapse == "raise":
+            raise LossScaleCollapse(f"{error} Tracer: {blame}.") from None
+        # The skipped steps changed neither the parameters nor the optimizer state: they are
+        # the last applied state already. Drop the overflowing gradients and switch precision.
+        native = detect_capability(self.device).is_native("bf16-mixed")
+        target = "bf16-mixed" if native else "fp32"
+        before = self.policy.name
+        for o in self._optimizers:
+            o.optimizer.zero_grad(set_to_none=True)
+        self._switch_precision(target)
+        self.precision_fallbacks.append({"step": self.optimizer_steps, "from": before, "to": target})
+        import logging
+
+        logging.getLogger("mixprec").warning(
+            "mixprec: the fp16 loss scale collapsed at step %d; switching this run from %s to %s (%s) and "
+            "continuing from the last applied step; %s.", self.optimizer_steps, before, target,
+            "bf16 is native here, with fp32's range" if native else "this device has no native bf16", blame)
+
+    def _switch_precision(self, name: str) -> None:
+        """Run the rest of training in ``name`` (the models' forwards follow; no loss scaler)."""
+        self.policy = resolve_precision(name, self.device)
+        self.scaler = None
+        for m in self._models:
+            inner = self.unwrap_model(m)
+            if hasattr(inner, "_mixprec_autocast"):
+                _, device, cast = inner._mixprec_autocast
+                inner._mixprec_autocast = (self.policy, device, cast)
+
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether the last optimizer step was skipped for inf/NaN gradients. Syncs with fp16."""
@@ -408,7 +472,8 @@ class Accelerator:
                     torch.save(obj.state_dict(), tmp / f"{name}_{i}.bin")
             if self.scaler is not None:
                 torch.save(self.scaler.state_dict(), tmp / "scaler.bin")
-            torch.save({"step": self.step, "precision": self.policy.name}, tmp / "accelerator.bin")
+            torch.save({"step": self.step, "precision": self.policy.name, "optimizer_steps": self.optimizer_steps,
+                        "precision_fallback": bool(self.precision_fallbacks)}, tmp / "accelerator.bin")
             for name, content in (extra_files or {}).items():
                 (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
             ckpt.commit_checkpoint(tmp, final, meta={"num_processes": self.num_processes,
@@ -437,10 +502,14 @@ class Accelerator:
                 if not f.exists():
                     raise ckpt.CheckpointError(f"{f} is missing: the checkpoint holds fewer {name}s than were prepared")
                 obj.load_state_dict(load(f, map_location=self.device if name == "optimizer" else "cpu"))
+        meta = load(path / "accelerator.bin")
+        if meta.get("precision_fallback") and meta["precision"] != self.policy.name:
+            self._switch_precision(meta["precision"])  # the run had fallen back: keep it so
+            self.precision_fallbacks.append({"step": meta.get("optimizer_steps", 0), "to": meta["precision"]})
         if self.scaler is not None and (path / "scaler.bin").exists():
             self.scaler.load_state_dict(load(path / "scaler.bin"))
-        meta = load(path / "accelerator.bin")
         self.step = int(meta["step"])
+        self.optimizer_steps = int(meta.get("optimizer_steps", 0))
         rng = path / f"random_states_{self.process_index}.bin"
         if not rng.exists():
             raise ckpt.CheckpointError(f"{rng} is missing: the checkpoint was written by fewer processes")

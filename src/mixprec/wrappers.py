@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .data import send_to_device
+from .scaler import LossScaleCollapse
 
 if TYPE_CHECKING:  # pragma: no cover
     from .accelerator import Accelerator
@@ -71,8 +72,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         # Deliberately no super().__init__: this object is a view of ``optimizer``.
         self.optimizer = optimizer
         self.accelerator = accelerator
-        self.scaler = accelerator.scaler
         self._step_was_skipped = False
+
+    @property
+    def scaler(self) -> Any:
+        """The accelerator's loss scaler (``None`` without one, or after a precision fallback)."""
+        return self.accelerator.scaler
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -106,16 +111,25 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         """Step (or skip on inf/NaN) and update the loss scale; a no-op on non-sync accumulation steps."""
-        if not self.accelerator.sync_gradients:
+        acc = self.accelerator
+        if not acc.sync_gradients:
             return None
-        if self.scaler is None:
+        acc._before_optimizer_step(self)
+        scaler = self.scaler
+        if scaler is None:
+            out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
             self._step_was_skipped = False
-            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        if closure is not None:
-            raise ValueError("closures are not supported with a loss scaler (torch.amp.GradScaler has the same limit)")
-        out = self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self._step_was_skipped = None  # read lazily: knowing it costs a host-device sync
+        else:
+            if closure is not None:
+                raise ValueError("closures are not supported with a loss scaler (torch.amp.GradScaler has the same limit)")
+            out = scaler.step(self.optimizer)
+            try:
+                scaler.update()
+                self._step_was_skipped = None  # read lazily: knowing it costs a host-device sync
+            except LossScaleCollapse as e:
+                self._step_was_skipped = True
+                acc._on_loss_scale_collapse(e)  # raises, or falls back to another precision
+        acc._after_optimizer_step(self)
         return out
 
     @property

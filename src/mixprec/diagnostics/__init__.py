@@ -5,6 +5,8 @@
 * :class:`OverflowTracer`: the first module whose activation or gradient overflows its dtype.
 * :func:`precision_drift`: a batch's loss under autocast beside the same loss in fp32.
 * :data:`FORMAT_LIMITS`: the fp16 and bf16 range facts, from ``torch.finfo``.
+* :class:`DiagnosticsConfig` / :class:`Monitor`: the same, switched on in an Accelerator or Trainer.
+* :func:`mixprec.diagnostics.hf.DiagnosticsCallback`: the same for the Hugging Face Trainer.
 
 Nothing here changes a gradient, an activation, a parameter or an RNG stream, and nothing
 syncs the host with the device except the methods whose docstrings say so.
@@ -13,12 +15,15 @@ syncs the host with the device except the methods whose docstrings say so.
 from .drift import precision_drift
 from .gradient_stats import GradientStats
 from .limits import FORMAT_LIMITS, FormatLimits, format_limits
+from .monitor import DiagnosticsConfig, Monitor
 from .tracer import OverflowTracer, TraceEvent
 
 __all__ = [
+    "DiagnosticsConfig",
     "FORMAT_LIMITS",
     "FormatLimits",
     "GradientStats",
+    "Monitor",
     "OverflowTracer",
     "TraceEvent",
     "format_limits",

@@ -32,7 +32,11 @@ class TrainingArguments:
 
     Beyond Hugging Face: ``precision`` takes any name :func:`~mixprec.resolve_precision` accepts
     (``fp16=True`` means ``"fp16-mixed"``, ``bf16=True`` means ``"bf16-mixed"``), and
-    ``loss_scaler`` takes :class:`~mixprec.LossScaler` keyword arguments. The old spelling
+    ``loss_scaler`` takes :class:`~mixprec.LossScaler` keyword arguments. The precision
+    diagnostics: ``diagnostics_steps`` (gradient statistics every N steps, logged), ``trace_overflow``
+    (name the first overflowing module), ``drift_steps`` (every N steps the batch's loss in fp32
+    beside the mixed one); ``on_loss_scale_collapse="fallback"`` switches a collapsing fp16 run to
+    bf16-mixed (or fp32) instead of raising. The old spelling
     ``evaluation_strategy`` is accepted with a ``FutureWarning``. The object is frozen: use
     :meth:`replace` for a changed copy (validated again).
 
@@ -86,6 +90,10 @@ class TrainingArguments:
     use_cpu: bool = False
     precision: str | None = None
     loss_scaler: dict[str, Any] | None = field(default=None)
+    on_loss_scale_collapse: str = "raise"
+    diagnostics_steps: int = 0
+    trace_overflow: bool = False
+    drift_steps: int = 0
     evaluation_strategy: InitVar[str | None] = None
 
     def __post_init__(self, evaluation_strategy: str | None) -> None:
@@ -99,6 +107,11 @@ class TrainingArguments:
         for name in ("eval_strategy", "save_strategy", "logging_strategy"):
             _one_of(name, getattr(self, name), _STRATEGIES)
         _one_of("optim", self.optim, _OPTIMIZERS)
+        _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
+        for name in ("diagnostics_steps", "drift_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0 switches it off), got {v!r}")
         _one_of("lr_scheduler_type", self.lr_scheduler_type, _SCHEDULERS)
         reporters = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
         for r in reporters:

@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from ..accelerator import Accelerator
 from ..checkpoint import is_complete_checkpoint
+from ..diagnostics import precision_drift
+from ..diagnostics.monitor import DiagnosticsConfig
 from .args import TrainingArguments
 from .callbacks import (
     CallbackHandler,
@@ -99,9 +101,12 @@ class Trainer:
         if not isinstance(self.args, TrainingArguments):
             raise TypeError(f"args must be mixprec.TrainingArguments, got {type(self.args).__name__}")
         set_seed(self.args.seed)
-        self.accelerator = Accelerator(mixed_precision=self.args.resolved_precision,
-                                       gradient_accumulation_steps=self.args.gradient_accumulation_steps,
-                                       cpu=self.args.use_cpu, loss_scaler=self.args.loss_scaler)
+        a = self.args
+        self.accelerator = Accelerator(
+            mixed_precision=a.resolved_precision, gradient_accumulation_steps=a.gradient_accumulation_steps,
+            cpu=a.use_cpu, loss_scaler=a.loss_scaler, on_loss_scale_collapse=a.on_loss_scale_collapse,
+            diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps, trace_overflow=a.trace_overflow,
+                                          drift_every=a.drift_steps))
         self.model = model
         self.model_wrapped = self.accelerator.prepare_model(model)
         self.data_collator = data_collator
@@ -242,6 +247,8 @@ class Trainer:
         acc, args = self.accelerator, self.args
         if self._micro_in_step == 0:
             self._event("on_step_begin")
+            if args.drift_steps and self.state.global_step % args.drift_steps == 0:
+                self._log_drift(model, batch)
         loss = self.training_step(model, batch)
         self._loss_since_log = self._loss_since_log + loss / args.gradient_accumulation_steps
         self._micro_in_step += 1
@@ -264,6 +271,19 @@ class Trainer:
             self.control.should_training_stop = True
             self.control.should_save = self.control.should_save or args.save_strategy == "steps"
         self._maybe_log_save_evaluate(model, epoch_end=False)
+
+    def _log_drift(self, model: torch.nn.Module, batch: Any) -> None:
+        """This batch's loss in fp32 beside the run's precision: what the lower precision costs."""
+        inner = self.accelerator.unwrap_model(model)
+        forward = getattr(inner, "_mixprec_original_forward", None)
+
+        def loss_of(m: torch.nn.Module, b: Any) -> torch.Tensor:
+            # The model's own forward (not the autocast one), so the fp32 pass really is fp32.
+            f = getattr(m, "_mixprec_original_forward", forward)
+            return extract_loss(f(**b) if isinstance(b, dict) else f(*b) if isinstance(b, (tuple, list)) else f(b))
+
+        d = precision_drift(inner, batch, loss_of, self.accelerator.autocast)
+        self.log({"drift_loss_fp32": d["loss_fp32"], "drift_loss_mixed": d["loss_mixed"], "drift_rel": d["rel_diff"]})
 
     def training_step(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
         """Forward, loss, backward (scaled where the policy needs it); returns the detached loss."""
@@ -322,6 +342,10 @@ class Trainer:
         if acc.scaler is not None:
             s.skipped_steps, s.loss_scale = acc.scaler.skipped_steps, acc.scaler.get_scale()
             logs.update(loss_scale=s.loss_scale, skipped_steps=s.skipped_steps)
+        if acc.monitor is not None:
+            logs.update(acc.monitor.log_values())
+        if s.precision != acc.policy.name:  # a loss-scale collapse made the run fall back
+            s.precision = logs["precision"] = acc.policy.name
         self._loss_since_log = torch.zeros((), device=acc.device)
         self._steps_since_log = 0
         self._done["log"] = s.global_step
