@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, demo, env, train
+from . import demo, doctor, env, train
 
-_SUBCOMMANDS = {"demo": demo, "train": train, "bench": bench, "env": env}
+_SUBCOMMANDS = {"demo": demo, "train": train, "doctor": doctor, "env": env}
 
 __all__ = ["main", "build_parser"]
 
@@ -29,7 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``mixprec`` command line; returns the exit code."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # A config file comes right after the command; the --flags after it may be overrides that
+    # argparse does not know, and must not be taken for the file's name.
+    config = None
+    if len(argv) > 1 and argv[0] in ("train", "doctor") and not argv[1].startswith("-"):
+        config = argv.pop(1)
     args, extra = parser.parse_known_args(argv)
+    if config is not None:
+        args.config = config
     if args.command is None:
         parser.print_help()
         return 2

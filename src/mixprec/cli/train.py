@@ -25,18 +25,21 @@ and exits; --resume continues from it.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", allow_abbrev=False, help="run a whole Trainer run from a TOML config (and --flags)",
+    p = sub.add_parser("train", allow_abbrev=False, usage="mixprec train [CONFIG.toml] [--resume] [--key VALUE ...]",
+                       help="run a whole Trainer run from a TOML config (and --flags)",
                        description="Train a built-in task or your own model/data with the mixprec Trainer, "
                        "as a TOML config file and --flags describe it.",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", nargs="?", help="a TOML file with [task], [training], [precision], [diagnostics]")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
-    p.set_defaults(func=run, accepts_overrides=True)
+    # CONFIG.toml (a TOML file with [task], [training], [precision], [diagnostics]) is taken by
+    # mixprec.cli.main before parsing, so that override flags cannot be mistaken for it.
+    p.set_defaults(func=run, accepts_overrides=True, config=None)
 
 
 @dataclass
 class BuiltTask:
-    model: Any
+    name: str
+    build_model: Any
     train_dataset: Any
     eval_dataset: Any
     collate_fn: Any = None
@@ -45,7 +48,7 @@ class BuiltTask:
 
 
 def build_task(task: dict[str, Any]) -> BuiltTask:
-    """The model and data a ``[task]`` table names (built-in, or the user's factories).
+    """The model factory and data a ``[task]`` table names (built-in, or the user's factories).
 
     Raises:
         ConfigError: when a user factory cannot be imported.
@@ -57,7 +60,7 @@ def build_task(task: dict[str, Any]) -> BuiltTask:
             model_factory, data_factory = load_factory(task["model"]), load_factory(task["data"])
         except (ImportError, AttributeError, ValueError) as e:
             raise ConfigError(f"[task]: {e}") from None
-        model, data = model_factory(), data_factory()
+        data = data_factory()
         if isinstance(data, dict):
             train = data.get("train")
             evaluation = next((data[k] for k in ("validation", "eval", "test") if k in data), None)
@@ -65,10 +68,10 @@ def build_task(task: dict[str, Any]) -> BuiltTask:
             train, evaluation = data
         else:
             train, evaluation = data, None
-        return BuiltTask(model, train, evaluation)
+        return BuiltTask(task["model"], model_factory, train, evaluation)
     options = {k: task[k] for k in ("arch", "max_bytes", "eval_max_bytes") if k in task}
     t = get_task(task["name"], task.get("size"), **options)
-    return BuiltTask(t.build_model(), t.train_dataset, t.eval_dataset, t.collate_fn, t.compute_metrics,
+    return BuiltTask(t.name, t.build_model, t.train_dataset, t.eval_dataset, t.collate_fn, t.compute_metrics,
                      t.preprocess_logits_for_metrics)
 
 
@@ -101,7 +104,7 @@ def train_from_config(cfg: RunConfig, resume: bool = False) -> tuple[Trainer, bo
     """Build the task and the Trainer from ``cfg`` and train; returns the trainer and whether Ctrl-C stopped it."""
     built = build_task(cfg.task)
     interrupt = _Interrupt()
-    trainer = Trainer(model=built.model, args=cfg.training, train_dataset=built.train_dataset,
+    trainer = Trainer(model=built.build_model(), args=cfg.training, train_dataset=built.train_dataset,
                       eval_dataset=built.eval_dataset, data_collator=built.collate_fn,
                       compute_metrics=built.compute_metrics,
                       preprocess_logits_for_metrics=built.preprocess_logits_for_metrics, callbacks=[interrupt])

@@ -1,0 +1,57 @@
+"""``mixprec doctor``: measure underflow and overflow in a model, explain them, recommend a precision."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .config import ConfigError, load_config
+
+EXAMPLES = """Examples:
+  mixprec doctor --task pycode --size tiny
+  mixprec doctor --task digits --arch cnn --steps 30
+  PYTHONPATH=examples mixprec doctor --model user_task:model --data user_task:data
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", allow_abbrev=False, usage="mixprec doctor [CONFIG.toml] [--steps N] [--task NAME ...]",
+                       help="probe a model in fp32, fp16 and bf16: where its numbers underflow or overflow, and why",
+                       description="Train a fresh copy of the model for a few steps in fp32, fp16-mixed and "
+                       "bf16-mixed with the gradient statistics and the overflow tracer on; write report.md, "
+                       "report.json and three plots; recommend a precision and an initial fp16 loss scale.",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20, help="steps per precision (default: 20)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--cpu", action="store_true", help="probe on the CPU even where CUDA is available")
+    p.add_argument("--out", default=None, help="report folder (default: runs/doctor-<time>)")
+    p.set_defaults(func=run, accepts_overrides=True, config=None)  # CONFIG.toml: taken by mixprec.cli.main
+
+
+def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
+    from ..diagnostics.doctor import DoctorConfig, run_doctor
+    from .train import build_task
+
+    try:
+        cfg = load_config(args.config, overrides or [])
+        task = build_task(cfg.task)
+        doctor = DoctorConfig(steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate, cpu=args.cpu)
+    except (ConfigError, ValueError) as e:
+        print(f"mixprec doctor: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/doctor-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(f"mixprec doctor: {task.name}, {args.steps} steps each in fp32, fp16-mixed, bf16-mixed ...")
+    report = run_doctor(task.build_model, task.train_dataset, out, collate=task.collate_fn, config=doctor,
+                        task_name=task.name)
+    rec = report["recommendation"]
+    print(f"\nrecommendation: {rec['precision']}")
+    for reason in rec["reasons"]:
+        print(f"  - {reason}")
+    print(f"initial loss scale for fp16: {rec['fp16_init_scale']:g}")
+    print(f"\nreport: {out / 'report.md'}  ({out / 'report.json'})")
+    for path in report["plots"].values():
+        print(f"plot:   {path}")
+    return 0
