@@ -19,13 +19,13 @@ from torch.amp.grad_scaler import OptState
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from . import checkpoint as ckpt
 from . import distributed as D
 from .data import PreparedDataLoader
 from .diagnostics.monitor import DiagnosticsConfig, Monitor
-from .hardware import default_device, detect_capability
+from .hardware import default_device
 from .precision import PrecisionPolicy, resolve_precision
-from .scaler import LossScaleCollapse, LossScaler
+from .scaler import LossScaler
+from .state import load_accelerator_state, save_accelerator_state
 from .wrappers import AcceleratedOptimizer, AcceleratedScheduler, patch_forward, unpatch_forward
 
 __all__ = ["Accelerator"]
@@ -316,6 +316,17 @@ class Accelerator:
         return [o.optimizer for o in self._optimizers
                 if any(id(p) in ids for g in o.optimizer.param_groups for p in g["params"])]
 
+    def _unscaled_for_clipping(self, parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor] | None:
+        """The parameters, their gradients unscaled (once) by the optimizers that hold them; ``None``
+        on accumulation steps that don't sync, whose gradients are still partial."""
+        if not self.sync_gradients:
+            return None
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if self.scaler is not None:
+            for opt in self._optimizers_for(params):
+                self.unscale_gradients(opt)
+        return params
+
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Divide the gradients by the loss scale now, once per step (later calls do nothing)."""
         if self.scaler is None or not self.scaler.is_enabled() or not self.sync_gradients:
@@ -333,23 +344,14 @@ class Accelerator:
         Returns the norm before clipping; ``None`` on accumulation steps that don't sync, where the
         gradients are still partial (call it inside ``if accelerator.sync_gradients:``).
         """
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not self.sync_gradients:
-            return None
-        if self.scaler is not None:
-            for opt in self._optimizers_for(params):
-                self.unscale_gradients(opt)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        params = self._unscaled_for_clipping(parameters)
+        return None if params is None else torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
         """Unscale (exactly once), then clamp every gradient element to ``[-clip_value, clip_value]``."""
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not self.sync_gradients:
-            return
-        if self.scaler is not None:
-            for opt in self._optimizers_for(params):
-                self.unscale_gradients(opt)
-        torch.nn.utils.clip_grad_value_(params, clip_value)
+        params = self._unscaled_for_clipping(parameters)
+        if params is not None:
+            torch.nn.utils.clip_grad_value_(params, clip_value)
 
     # -- around each optimizer step (called by the prepared optimizer) ------------------
     def _before_optimizer_step(self, wrapped: AcceleratedOptimizer) -> None:
@@ -367,37 +369,6 @@ class Accelerator:
         if self.monitor is not None:
             self.monitor.after_step(self.optimizer_steps)
         self.optimizer_steps += 1
-
-    def _on_loss_scale_collapse(self, error: LossScaleCollapse) -> None:
-        blame = self.monitor.blame() if self.monitor is not None else \
-            "turn on diagnostics (trace_overflow=True) to name the overflowing module"
-        if self.on_loss_scale_collapse == "raise":
-            raise LossScaleCollapse(f"{error} Tracer: {blame}.") from None
-        # The skipped steps changed neither the parameters nor the optimizer state: they are
-        # the last applied state already. Drop the overflowing gradients and switch precision.
-        native = detect_capability(self.device).is_native("bf16-mixed")
-        target = "bf16-mixed" if native else "fp32"
-        before = self.policy.name
-        for o in self._optimizers:
-            o.optimizer.zero_grad(set_to_none=True)
-        self._switch_precision(target)
-        self.precision_fallbacks.append({"step": self.optimizer_steps, "from": before, "to": target})
-        import logging
-
-        logging.getLogger("mixprec").warning(
-            "mixprec: the fp16 loss scale collapsed at step %d; switching this run from %s to %s (%s) and "
-            "continuing from the last applied step; %s.", self.optimizer_steps, before, target,
-            "bf16 is native here, with fp32's range" if native else "this device has no native bf16", blame)
-
-    def _switch_precision(self, name: str) -> None:
-        """Run the rest of training in ``name`` (the models' forwards follow; no loss scaler)."""
-        self.policy = resolve_precision(name, self.device)
-        self.scaler = None
-        for m in self._models:
-            inner = self.unwrap_model(m)
-            if hasattr(inner, "_mixprec_autocast"):
-                _, device, cast = inner._mixprec_autocast
-                inner._mixprec_autocast = (self.policy, device, cast)
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -458,28 +429,7 @@ class Accelerator:
         The folder appears only when complete. ``extra_files`` (name -> text or bytes) join the
         same atomic write (the Trainer puts ``trainer_state.json`` there).
         """
-        final = Path(output_dir)
-        tmp = Path(D.broadcast_object(str(ckpt.staging_dir(final)) if self.is_main_process else None))
-        torch.save(ckpt.rng_state(), tmp / f"random_states_{self.process_index}.bin")
-        self.wait_for_everyone()
-        if self.is_main_process:
-            for i, m in enumerate(self._models):
-                safetensors.torch.save_model(self.unwrap_model(m), str(tmp / f"model_{i}.safetensors"))
-            groups = {"optimizer": self._optimizers, "scheduler": self._schedulers,
-                      "dataloader": self._dataloaders, "custom": self._custom_objects}
-            for name, objs in groups.items():
-                for i, obj in enumerate(objs):
-                    torch.save(obj.state_dict(), tmp / f"{name}_{i}.bin")
-            if self.scaler is not None:
-                torch.save(self.scaler.state_dict(), tmp / "scaler.bin")
-            torch.save({"step": self.step, "precision": self.policy.name, "optimizer_steps": self.optimizer_steps,
-                        "precision_fallback": bool(self.precision_fallbacks)}, tmp / "accelerator.bin")
-            for name, content in (extra_files or {}).items():
-                (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
-            ckpt.commit_checkpoint(tmp, final, meta={"num_processes": self.num_processes,
-                                                     "precision": self.policy.name})
-        self.wait_for_everyone()
-        return final
+        return save_accelerator_state(self, Path(output_dir), extra_files or {})
 
     def load_state(self, input_dir: str | os.PathLike) -> None:
         """Restore what :meth:`save_state` wrote, after verifying every file against the manifest.
@@ -488,32 +438,7 @@ class Accelerator:
             CheckpointError: naming the file that is missing, truncated, altered, or that holds
                 anything but tensors (nothing in it is run).
         """
-        path = Path(input_dir)
-        ckpt.verify_checkpoint(path)
-        load = ckpt.load_tensor_file
-        for i, m in enumerate(self._models):
-            safetensors.torch.load_model(self.unwrap_model(m), str(path / f"model_{i}.safetensors"),
-                                         strict=True, device=str(self.device))
-        groups = {"optimizer": self._optimizers, "scheduler": self._schedulers,
-                  "dataloader": self._dataloaders, "custom": self._custom_objects}
-        for name, objs in groups.items():
-            for i, obj in enumerate(objs):
-                f = path / f"{name}_{i}.bin"
-                if not f.exists():
-                    raise ckpt.CheckpointError(f"{f} is missing: the checkpoint holds fewer {name}s than were prepared")
-                obj.load_state_dict(load(f, map_location=self.device if name == "optimizer" else "cpu"))
-        meta = load(path / "accelerator.bin")
-        if meta.get("precision_fallback") and meta["precision"] != self.policy.name:
-            self._switch_precision(meta["precision"])  # the run had fallen back: keep it so
-            self.precision_fallbacks.append({"step": meta.get("optimizer_steps", 0), "to": meta["precision"]})
-        if self.scaler is not None and (path / "scaler.bin").exists():
-            self.scaler.load_state_dict(load(path / "scaler.bin"))
-        self.step = int(meta["step"])
-        self.optimizer_steps = int(meta.get("optimizer_steps", 0))
-        rng = path / f"random_states_{self.process_index}.bin"
-        if not rng.exists():
-            raise ckpt.CheckpointError(f"{rng} is missing: the checkpoint was written by fewer processes")
-        ckpt.set_rng_state(load(rng))
+        load_accelerator_state(self, Path(input_dir))
 
     def end_training(self) -> None:
         """Release the process group, if several processes ran."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .data import send_to_device
+from .fallback import on_loss_scale_collapse
 from .scaler import LossScaleCollapse
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -128,7 +129,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
                 self._step_was_skipped = None  # read lazily: knowing it costs a host-device sync
             except LossScaleCollapse as e:
                 self._step_was_skipped = True
-                acc._on_loss_scale_collapse(e)  # raises, or falls back to another precision
+                on_loss_scale_collapse(acc, e)  # raises, or falls back to another precision
         acc._after_optimizer_step(self)
         return out
 

@@ -81,6 +81,7 @@ def _train(size: str, data: tuple[int | None, int | None], precision: str, steps
 
     warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # the parent process said it once already
     from ..trainer import Trainer, TrainingArguments
+    from ..trainer.checkpoints import list_checkpoints
 
     task = _task(size, *data)
     targs = TrainingArguments(
@@ -118,7 +119,7 @@ def _train(size: str, data: tuple[int | None, int | None], precision: str, steps
         "eval": [(h["step"], h["eval_loss"]) for h in hist if "eval_loss" in h],
         "scale_history": [(i + 1, s, k) for i, (s, k) in enumerate(scaler.scale_history)] if scaler else None,
         "skipped_steps": scaler.skipped_steps if scaler else 0,
-        "checkpoint": str(sorted(Path(out).glob("checkpoint-*"))[-1]),
+        "checkpoint": str(list_checkpoints(Path(out))[-1]),
     }
 
 

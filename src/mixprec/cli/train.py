@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..trainer import Trainer, TrainerCallback
+from ..trainer.checkpoints import list_checkpoints
 from .config import ConfigError, RunConfig, load_config
 
 EXAMPLES = """Examples:
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         print(f"mixprec train: error: {e}", file=sys.stderr)
         return 2
     out = Path(cfg.training.output_dir)
-    ckpts = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    ckpts = list_checkpoints(out)
     if interrupted:
         print(f"stopped by Ctrl-C at step {trainer.state.global_step}; checkpoint: {ckpts[-1] if ckpts else '-'}\n"
               f"continue with: mixprec train {args.config or ''} --resume".replace("  ", " "))

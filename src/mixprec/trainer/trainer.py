@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -22,7 +20,6 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from ..accelerator import Accelerator
-from ..checkpoint import is_complete_checkpoint
 from ..diagnostics import precision_drift
 from ..diagnostics.monitor import DiagnosticsConfig
 from .args import TrainingArguments
@@ -35,31 +32,17 @@ from .callbacks import (
     TrainerControl,
     TrainerState,
 )
+from .checkpoints import checkpoint_to_resume, rotate_checkpoints
 from .data import collate, model_input_names, prepare_dataset
-from .outputs import call_model, extract_logits, extract_loss, nested_concat, to_numpy
+from .evaluation import EvalPrediction, PredictionOutput, evaluation_loop
+from .outputs import call_model, extract_loss
 from .schedules import get_scheduler
 
 __all__ = ["Trainer", "TrainOutput", "EvalPrediction", "PredictionOutput", "set_seed"]
 
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-
-
-class EvalPrediction(NamedTuple):
-    """What ``compute_metrics`` receives: numpy ``predictions`` and ``label_ids``."""
-
-    predictions: Any
-    label_ids: Any
-
-
 class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
-    metrics: dict[str, float]
-
-
-class PredictionOutput(NamedTuple):
-    predictions: Any
-    label_ids: Any
     metrics: dict[str, float]
 
 
@@ -213,7 +196,7 @@ class Trainer:
                                   train_batch_size=args.per_device_train_batch_size,
                                   is_world_process_zero=acc.is_main_process, precision=acc.policy.name)
         if resume:
-            path = self._checkpoint_to_resume(resume)
+            path = checkpoint_to_resume(Path(args.output_dir), resume)
             acc.load_state(path)
             saved = TrainerState.load_from_json(path / "trainer_state.json")
             # The run continues as saved, but for as long as *these* arguments say (as in Hugging Face).
@@ -388,36 +371,9 @@ class Trainer:
         self.accelerator.save_state(path, extra_files={"trainer_state.json": self.state.to_json_string(),
                                                        "training_args.json": self.args.to_json_string()})
         if self.accelerator.is_main_process:
-            self._rotate_checkpoints(out)
+            rotate_checkpoints(out, self.args.save_total_limit, self.state.best_model_checkpoint)
         self._event("on_save")
         return path
-
-    def _checkpoints(self, out: Path) -> list[Path]:
-        found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*") if (m := _CHECKPOINT.match(p.name))]
-        return [p for _, p in sorted(found) if is_complete_checkpoint(p)]
-
-    def _rotate_checkpoints(self, out: Path) -> None:
-        for stale in out.glob(".checkpoint-*.tmp-*"):  # staging folders of a save that crashed
-            shutil.rmtree(stale, ignore_errors=True)
-        limit = self.args.save_total_limit
-        if limit is None:
-            return
-        ckpts = self._checkpoints(out)
-        best = self.state.best_model_checkpoint
-        keep = set(ckpts[-limit:])
-        if best is not None and Path(best) in ckpts:
-            keep.add(Path(best))  # never the best; with limit 1 this keeps the best and the newest
-        for p in ckpts:
-            if p not in keep:
-                shutil.rmtree(p, ignore_errors=True)
-
-    def _checkpoint_to_resume(self, resume: str | bool) -> Path:
-        if resume is True:
-            ckpts = self._checkpoints(Path(self.args.output_dir))
-            if not ckpts:
-                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete checkpoint")
-            return ckpts[-1]
-        return Path(resume)
 
     def _finish(self, start_time: float) -> TrainOutput:
         s = self.state
@@ -448,7 +404,7 @@ class Trainer:
             for name, part in ds.items():
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
-        out = self._evaluation_loop(self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix)
+        out = evaluation_loop(self, self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix)
         self.log(out.metrics)
         self._event("on_evaluate", metrics=out.metrics)
         return out.metrics
@@ -456,7 +412,7 @@ class Trainer:
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (numpy), labels (where present) and metrics on ``test_dataset``."""
-        out = self._evaluation_loop(self.get_eval_dataloader(test_dataset), ignore_keys, metric_key_prefix)
+        out = evaluation_loop(self, self.get_eval_dataloader(test_dataset), ignore_keys, metric_key_prefix)
         self._event("on_predict", metrics=out.metrics)
         return out
 
@@ -467,42 +423,6 @@ class Trainer:
             dtype = torch.float16 if self.args.fp16_full_eval else torch.bfloat16
             return torch.autocast(self.accelerator.device.type, dtype=dtype)
         return contextlib.nullcontext()
-
-    def _evaluation_loop(self, dl: Any, ignore_keys: list[str] | None, prefix: str) -> PredictionOutput:
-        acc, model = self.accelerator, self.model_wrapped
-        was_training = model.training
-        model.eval()
-        losses, preds, labels = [], [], []
-        start, n = time.time(), 0
-        for inputs in dl:
-            with torch.no_grad(), self._eval_autocast():
-                outputs = call_model(model, inputs, self.model)
-            bs = _batch_size(inputs)
-            loss = extract_loss(outputs)
-            if loss is not None:
-                losses.append(acc.gather_for_metrics(loss.detach().float().reshape(1).repeat(bs)).cpu())
-            logits = extract_logits(outputs, ignore_keys or [])
-            label = _labels(inputs, self.label_names)
-            if logits is not None and self.preprocess_logits_for_metrics is not None:
-                logits = self.preprocess_logits_for_metrics(logits, label)
-            if logits is not None:
-                preds.append(_cpu(acc.gather_for_metrics(logits)))
-            if label is not None:
-                labels.append(_cpu(acc.gather_for_metrics(label)))
-            n += bs
-        model.train(was_training)
-        predictions = to_numpy(nested_concat(preds)) if preds else None
-        label_ids = to_numpy(nested_concat(labels)) if labels else None
-        metrics: dict[str, float] = {}
-        if losses:
-            metrics[f"{prefix}_loss"] = float(torch.cat(losses).mean())
-        if self.compute_metrics is not None and predictions is not None and label_ids is not None:
-            for k, v in self.compute_metrics(EvalPrediction(predictions, label_ids)).items():
-                metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = float(v)
-        runtime = time.time() - start
-        metrics.update({f"{prefix}_runtime": round(runtime, 4),
-                        f"{prefix}_samples_per_second": round(n * acc.num_processes / max(runtime, 1e-9), 3)})
-        return PredictionOutput(predictions, label_ids, metrics)
 
     # -- models out ------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None) -> Path:
@@ -518,26 +438,3 @@ class Trainer:
         if self.accelerator.is_main_process:
             self.args.to_json_file(out / "training_args.json")
         return out
-
-
-def _batch_size(inputs: Any) -> int:
-    if isinstance(inputs, torch.Tensor):
-        return len(inputs)
-    values = inputs.values() if isinstance(inputs, dict) else inputs
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            return len(v)
-    return 1
-
-
-def _labels(inputs: Any, names: list[str]) -> Any:
-    if not isinstance(inputs, dict) or not all(k in inputs for k in names):
-        return None
-    found = tuple(inputs[k] for k in names)
-    return found[0] if len(found) == 1 else found
-
-
-def _cpu(x: Any) -> Any:
-    if isinstance(x, (tuple, list)):
-        return type(x)(_cpu(v) for v in x)
-    return x.detach().cpu()

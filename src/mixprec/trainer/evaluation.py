@@ -1,0 +1,89 @@
+"""The evaluation loop: losses, predictions and labels gathered across processes, then metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from .outputs import call_model, extract_logits, extract_loss, nested_concat, to_numpy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .trainer import Trainer
+
+__all__ = ["EvalPrediction", "PredictionOutput", "evaluation_loop"]
+
+
+class EvalPrediction(NamedTuple):
+    """What ``compute_metrics`` receives: numpy ``predictions`` and ``label_ids``."""
+
+    predictions: Any
+    label_ids: Any
+
+
+class PredictionOutput(NamedTuple):
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
+
+
+def evaluation_loop(trainer: Trainer, dl: Any, ignore_keys: list[str] | None, prefix: str) -> PredictionOutput:
+    """Run ``dl`` through the trainer's model without gradients; metrics are named ``{prefix}_...``."""
+    acc, model = trainer.accelerator, trainer.model_wrapped
+    was_training = model.training
+    model.eval()
+    losses, preds, labels = [], [], []
+    start, n = time.time(), 0
+    for inputs in dl:
+        with torch.no_grad(), trainer._eval_autocast():
+            outputs = call_model(model, inputs, trainer.model)
+        bs = _batch_size(inputs)
+        loss = extract_loss(outputs)
+        if loss is not None:
+            losses.append(acc.gather_for_metrics(loss.detach().float().reshape(1).repeat(bs)).cpu())
+        logits = extract_logits(outputs, ignore_keys or [])
+        label = _labels(inputs, trainer.label_names)
+        if logits is not None and trainer.preprocess_logits_for_metrics is not None:
+            logits = trainer.preprocess_logits_for_metrics(logits, label)
+        if logits is not None:
+            preds.append(_cpu(acc.gather_for_metrics(logits)))
+        if label is not None:
+            labels.append(_cpu(acc.gather_for_metrics(label)))
+        n += bs
+    model.train(was_training)
+    predictions = to_numpy(nested_concat(preds)) if preds else None
+    label_ids = to_numpy(nested_concat(labels)) if labels else None
+    metrics: dict[str, float] = {}
+    if losses:
+        metrics[f"{prefix}_loss"] = float(torch.cat(losses).mean())
+    if trainer.compute_metrics is not None and predictions is not None and label_ids is not None:
+        for k, v in trainer.compute_metrics(EvalPrediction(predictions, label_ids)).items():
+            metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = float(v)
+    runtime = time.time() - start
+    metrics.update({f"{prefix}_runtime": round(runtime, 4),
+                    f"{prefix}_samples_per_second": round(n * acc.num_processes / max(runtime, 1e-9), 3)})
+    return PredictionOutput(predictions, label_ids, metrics)
+
+
+def _batch_size(inputs: Any) -> int:
+    if isinstance(inputs, torch.Tensor):
+        return len(inputs)
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return len(v)
+    return 1
+
+
+def _labels(inputs: Any, names: list[str]) -> Any:
+    if not isinstance(inputs, dict) or not all(k in inputs for k in names):
+        return None
+    found = tuple(inputs[k] for k in names)
+    return found[0] if len(found) == 1 else found
+
+
+def _cpu(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cpu(v) for v in x)
+    return x.detach().cpu()
