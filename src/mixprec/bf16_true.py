@@ -1,0 +1,135 @@
+"""Which layers stay fp32 in bf16-true, and a cast that keeps them so.
+
+bf16-true stores every parameter in bf16, but normalisation layers are where bf16 hurts most:
+their gains sit near 1 and scale every activation that passes (bf16's spacing there is 2**-7),
+and their statistics (mean, variance, running averages) are sums over many elements that bf16's
+8-bit mantissa rounds badly. They hold a tiny share of the parameters, so keeping them fp32 costs
+next to nothing; the same holds for embeddings, which some recipes keep fp32 too (opt in with
+``embeddings=True``).
+
+:func:`cast_for_bf16_true` casts the rest of the model to bf16 and wraps each kept module in
+hooks that give it fp32 inputs and hand bf16 outputs on, so the model still runs end to end on
+bf16 activations.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["fp32_modules_rule", "cast_for_bf16_true"]
+
+# _NormBase is the common base of BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm* and their
+# Lazy variants; torch exposes no public base class for them.
+_NORMS: tuple[type[nn.Module], ...] = tuple(
+    t for t in (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, getattr(nn, "RMSNorm", None))
+    if t is not None
+)
+# Norm layers of libraries mixprec does not depend on (Hugging Face's LlamaRMSNorm, T5LayerNorm,
+# apex's FusedLayerNorm), recognised by name rather than imported.
+_NORM_NAME_SUFFIXES = ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")
+_HANDLES = "_mixprec_bf16_true_hooks"
+
+
+def fp32_modules_rule(module: nn.Module, *, embeddings: bool = False) -> bool:
+    """Whether ``module``'s parameters should stay fp32 in bf16-true training.
+
+    True for normalisation layers (``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.BatchNorm*``,
+    ``nn.SyncBatchNorm``, ``nn.InstanceNorm*``, ``nn.RMSNorm``, and classes of other libraries
+    whose names end in ``LayerNorm``/``RMSNorm``/``GroupNorm``/``BatchNorm``), and, with
+    ``embeddings=True``, for ``nn.Embedding`` and ``nn.EmbeddingBag``.
+
+    Args:
+        module: the module to decide for (only the module itself, not its children).
+        embeddings: keep embedding tables fp32 as well.
+
+    Example:
+        >>> fp32_modules_rule(nn.LayerNorm(8)), fp32_modules_rule(nn.Linear(8, 8))
+        (True, False)
+        >>> keep = functools.partial(fp32_modules_rule, embeddings=True)
+        >>> keep(nn.Embedding(10, 8))
+        True
+    """
+    if isinstance(module, _NORMS) or type(module).__name__.endswith(_NORM_NAME_SUFFIXES):
+        return True
+    return embeddings and isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+
+
+def _map_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating tensor in it (through tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_map_floats(v, dtype) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _map_floats(v, dtype)) for k, v in value.items())
+    return value
+
+
+def _to_fp32_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    return _map_floats(args, torch.float32), _map_floats(kwargs, torch.float32)
+
+
+def _to_dtype_outputs(dtype: torch.dtype, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+    return _map_floats(output, dtype)
+
+
+def cast_for_bf16_true(model: nn.Module, keep_fp32: Callable[[nn.Module], bool] = fp32_modules_rule,
+                       dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Cast ``model`` to ``dtype`` in place, except the modules ``keep_fp32`` picks (and all
+    their children), which stay fp32 and run on fp32 inputs; returns ``model``.
+
+    Each kept module gets a forward pre-hook that casts its floating inputs to fp32 and a
+    forward hook that casts its floating outputs to ``dtype``, so activations between layers
+    stay ``dtype``. Calling it again on the same model adds no second set of hooks. Cast the
+    model before building its optimizer (the optimizer then sees each parameter's final dtype;
+    :mod:`mixprec.optim`'s optimizers compensate the bf16 ones and update the fp32 ones plainly).
+
+    Args:
+        model: the model to cast (in place, like ``model.to``).
+        keep_fp32: decides per module whether it stays fp32 (default :func:`fp32_modules_rule`;
+            ``functools.partial(fp32_modules_rule, embeddings=True)`` keeps embeddings too).
+        dtype: the low-precision dtype for everything else (``torch.bfloat16``).
+
+    Raises:
+        ValueError: for a ``dtype`` that is not a 16-bit floating type.
+
+    Example:
+        >>> model = cast_for_bf16_true(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2)))
+        >>> [p.dtype for p in model[1].parameters()], model[0].weight.dtype
+        ([torch.float32, torch.float32], torch.bfloat16)
+        >>> model(torch.randn(3, 8, dtype=torch.bfloat16)).dtype
+        torch.bfloat16
+    """
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"cast_for_bf16_true casts to a 16-bit float dtype, got {dtype}; "
+                         "pass dtype=torch.bfloat16 (or torch.float16)")
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float32) if t.is_floating_point() else t
+
+    def visit(module: nn.Module) -> None:
+        if keep_fp32(module):
+            module._apply(keep)  # the whole subtree, in case it had been cast before
+            if not hasattr(module, _HANDLES):
+                setattr(module, _HANDLES, (
+                    module.register_forward_pre_hook(_to_fp32_inputs, with_kwargs=True),
+                    module.register_forward_hook(functools.partial(_to_dtype_outputs, dtype), with_kwargs=True),
+                ))
+            return
+        # Only this module's own parameters and buffers; its children decide for themselves.
+        module._apply(cast, recurse=False)
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return model

@@ -1,0 +1,267 @@
+"""Tests for mixprec.optim (compensated bf16 optimizers) and mixprec.bf16_true (fp32 norms).
+
+The regression problem: 64 weights drawn in [1.5, 3.5) (bf16's spacing there is 2**-7 and
+2**-6, so an update must exceed 2**-9 to move a weight at all), a least-squares target a few
+tenths away, and a learning rate that makes every update ~1e-4: plain bf16 updates are all lost
+to rounding, while an fp32 run steadily lowers the loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.bf16_true import cast_for_bf16_true, fp32_modules_rule
+from mixprec.optim import SGD, AdamW, bf16_stochastic_round, make_bf16_optimizer
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # These runs are hundreds of steps on 64 weights: a second intra-op thread only adds waiting,
+    # and on a shared 2-core machine that waiting made this file 20x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# (name, hyperparameters, steps, distance of the target from the start)
+_SETUPS = {
+    "adamw": (dict(lr=2e-4, weight_decay=0.0), 500, 0.2),
+    "sgd": (dict(lr=1e-4, momentum=0.9), 300, 0.3),
+}
+
+
+def _regression(delta: float, d: int = 64, n: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g)
+    w0 = (1.5 + 2 * torch.rand(d, generator=g)).bfloat16().float()  # representable: both runs start equal
+    y = x @ (w0 + delta * torch.randn(d, generator=g))
+    return x, y, w0
+
+
+def _train(dtype: torch.dtype, name: str, make=None, **opt_kwargs) -> tuple[float, float, torch.Tensor, torch.Tensor]:
+    """(initial loss, final loss, initial weights, final weights) of one run."""
+    hp, steps, delta = _SETUPS[name]
+    x, y, w0 = _regression(delta)
+    w = nn.Parameter(w0.to(dtype))
+    opt = make([w], **hp) if make is not None else make_bf16_optimizer([w], name=name, **hp, **opt_kwargs)
+
+    def loss() -> torch.Tensor:
+        return ((x @ w.float() - y) ** 2).mean()
+
+    first = loss().item()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    with torch.no_grad():
+        return first, loss().item(), w0.to(dtype), w.detach().clone()
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_plain_bf16_updates_below_half_an_ulp_are_lost_entirely(name):
+    _, fp32_loss, _, _ = _train(torch.float32, name)
+    torch_cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name]
+    for make in (None, functools.partial(torch_cls, foreach=True)):  # ours with "none", and torch's own
+        first, last, w0, w = _train(torch.bfloat16, name, make=make, compensation="none")
+        assert torch.equal(w, w0), "every update should have rounded away"
+        assert last == first
+    assert fp32_loss < 0.75 * first  # while fp32 learns: the problem is not trivial
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_kahan_compensated_run_tracks_the_fp32_run(name):
+    first, fp32_loss, _, _ = _train(torch.float32, name, compensation="none")
+    _, loss, w0, w = _train(torch.bfloat16, name, compensation="kahan")
+    assert (w != w0).float().mean() > 0.8
+    assert abs(loss / fp32_loss - 1) < 0.05, (loss, fp32_loss)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_stochastic_rounding_run_tracks_the_fp32_run(name):
+    first, fp32_loss, _, _ = _train(torch.float32, name, compensation="none")
+    _, loss, w0, w = _train(torch.bfloat16, name, compensation="stochastic",
+                            generator=torch.Generator().manual_seed(0))
+    assert (w != w0).float().mean() > 0.8
+    # Unbiased but noisy: each rounding moves a weight by up to an ulp, a random walk that the
+    # gradient pulls back; it costs a little of the decrease, never the trend (plain loses all).
+    assert (first - loss) / (first - fp32_loss) > 0.85, (first, loss, fp32_loss)
+    assert abs(loss / fp32_loss - 1) < 0.25, (loss, fp32_loss)
+
+
+def test_kahan_also_rescues_float16_parameters():
+    _, fp32_loss, _, _ = _train(torch.float32, "adamw", compensation="none")
+    _, loss, _, _ = _train(torch.float16, "adamw", compensation="kahan")
+    assert abs(loss / fp32_loss - 1) < 0.05
+
+
+def test_stochastic_rounding_of_float16_parameters_is_refused_with_the_fix():
+    w = nn.Parameter(torch.ones(4, dtype=torch.float16))
+    w.grad = torch.ones_like(w)
+    with pytest.raises(ValueError, match="use compensation='kahan' for float16"):
+        AdamW([w], compensation="stochastic").step()
+
+
+def _small_params(dtype: torch.dtype = torch.bfloat16) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(1)
+    return [nn.Parameter((1 + torch.rand(16, 8, generator=g)).to(dtype)),
+            nn.Parameter(torch.randn(16, generator=g).to(dtype))]
+
+
+def _step(params: list[nn.Parameter], opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    opt.zero_grad()
+    w, b = params
+    ((x @ w.float().T + b.float()) ** 2).mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("name,compensation,state_dtype", [
+    ("adamw", "kahan", torch.float32), ("adamw", "stochastic", torch.float32), ("adamw", "kahan", torch.bfloat16),
+    ("sgd", "kahan", torch.float32), ("sgd", "stochastic", torch.bfloat16),
+])
+def test_state_dict_round_trip_continues_bit_for_bit(name, compensation, state_dtype):
+    hp = dict(lr=1e-3, weight_decay=0.01) if name == "adamw" else dict(lr=1e-3, momentum=0.9, weight_decay=0.01)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(2))
+    params = _small_params()
+    opt = make_bf16_optimizer(params, name=name, compensation=compensation, state_dtype=state_dtype,
+                              generator=torch.Generator().manual_seed(0), **hp)
+    for _ in range(4):
+        _step(params, opt, x)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    resumed = [nn.Parameter(p.detach().clone()) for p in params]
+    # A different seed: only the generator state saved in the state dict can make this match.
+    opt2 = make_bf16_optimizer(resumed, name=name, compensation=compensation, state_dtype=state_dtype,
+                               generator=torch.Generator().manual_seed(99), **hp)
+    opt2.load_state_dict(torch.load(buf, weights_only=True))
+    for p, q in zip(params, resumed):
+        for key, value in opt.state[p].items():
+            assert opt2.state[q][key].dtype == value.dtype, key  # fp32 moments are not cast to bf16
+        if compensation == "kahan":
+            assert opt2.state[q]["kahan_comp"].dtype == torch.bfloat16
+            assert torch.equal(opt2.state[q]["kahan_comp"], opt.state[p]["kahan_comp"])
+    for _ in range(4):
+        _step(params, opt, x)
+        _step(resumed, opt2, x)
+    for p, q in zip(params, resumed):
+        assert torch.equal(p, q)
+        for key, value in opt.state[p].items():
+            assert torch.equal(opt2.state[q][key], value), key
+
+
+def test_fp32_parameters_get_torch_adamw():
+    params, ref = _small_params(torch.float32), _small_params(torch.float32)
+    ours = AdamW(params, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, compensation="kahan")
+    theirs = torch.optim.AdamW(ref, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, foreach=True)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        for p, q in zip(params, ref):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        assert "kahan_comp" not in ours.state[p]  # no compensation where fp32 loses nothing
+
+
+@pytest.mark.parametrize("kw", [dict(momentum=0.9, weight_decay=0.05), dict(momentum=0.9, nesterov=True),
+                                dict(momentum=0.5, dampening=0.3), dict()])
+def test_fp32_parameters_get_torch_sgd(kw):
+    params, ref = _small_params(torch.float32), _small_params(torch.float32)
+    ours, theirs = SGD(params, lr=1e-2, **kw), torch.optim.SGD(ref, lr=1e-2, foreach=True, **kw)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        for p, q in zip(params, ref):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_step_leaves_the_gradients_untouched():
+    params = _small_params()
+    opt = AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = [p.grad.clone() for p in params]
+    opt.step()
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, before))
+
+
+def test_stochastic_rounding_is_unbiased_exact_on_representable_values_and_reproducible():
+    x = torch.full((20000,), 1.0 + 2**-10)  # an eighth of the way from 1 to the next bf16 (1 + 2**-7)
+    r = bf16_stochastic_round(x, torch.Generator().manual_seed(0))
+    assert set(r.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs(r.float().mean().item() - x[0].item()) < 2e-4  # ~8 standard errors
+    assert torch.equal(r, bf16_stochastic_round(x, torch.Generator().manual_seed(0)))
+    exact = torch.tensor([1.0, -2.5, 0.0, float("inf"), 3.0 * 2**-20])
+    assert torch.equal(bf16_stochastic_round(exact).float(), exact)
+    assert bf16_stochastic_round(torch.tensor([float("nan")])).isnan().all()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda p: make_bf16_optimizer(p, name="adam"), "use one of 'adamw', 'sgd'"),
+    (lambda p: make_bf16_optimizer(p, compensation="kahn"), "use one of 'kahan', 'stochastic', 'none'"),
+    (lambda p: make_bf16_optimizer(p, lr=-1e-3), "pass a learning rate >= 0"),
+    (lambda p: make_bf16_optimizer(p, betas=(0.9, 1.0)), r"betas must be two numbers in \[0, 1\)"),
+    (lambda p: make_bf16_optimizer(p, betas=(-0.1, 0.99)), r"betas must be two numbers in \[0, 1\)"),
+    (lambda p: make_bf16_optimizer(p, state_dtype=torch.float16), "use torch.float32"),
+    (lambda p: make_bf16_optimizer(p, name="sgd", betas=(0.9, 0.99)), "SGD has no hyperparameter.*it takes lr"),
+    (lambda p: make_bf16_optimizer(p, name="sgd", momentum=1.5), r"momentum must be in \[0, 1\)"),
+    (lambda p: make_bf16_optimizer(p, name="sgd", nesterov=True), "nesterov=True needs momentum > 0"),
+    (lambda p: make_bf16_optimizer(p, weight_decay=-1), "use 0 to turn weight decay off"),
+    (lambda p: AdamW([{"params": p, "lr": -1.0}]), "pass a learning rate >= 0"),
+    (lambda p: AdamW(p, generator=0), "pass torch.Generator"),
+])
+def test_bad_arguments_raise_value_error_stating_the_fix(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(_small_params())
+
+
+def _block() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 16),
+                         nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)), nn.Linear(16, 4))
+
+
+def test_cast_for_bf16_true_keeps_norms_fp32_and_runs_forward_and_backward_on_bf16():
+    model = cast_for_bf16_true(_block())
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    assert all(p.dtype == torch.float32 for m in norms for p in m.parameters())
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(p.dtype == torch.bfloat16 for m in linears for p in m.parameters())
+    seen = []
+    norms[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    out = model(x)
+    assert seen == [torch.float32] and out.dtype == torch.bfloat16
+    out.float().pow(2).mean().backward()
+    assert all(p.grad is not None and p.grad.dtype == p.dtype for p in model.parameters())
+    opt = make_bf16_optimizer(model.parameters(), lr=1e-3)  # mixed dtypes: bf16 compensated, fp32 plain
+    opt.step()
+    assert "kahan_comp" not in opt.state[norms[0].weight] and "kahan_comp" in opt.state[linears[0].weight]
+
+
+def test_cast_for_bf16_true_twice_adds_no_second_hooks_and_can_keep_embeddings():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    keep = functools.partial(fp32_modules_rule, embeddings=True)
+    cast_for_bf16_true(copy.deepcopy(model))
+    cast_for_bf16_true(model, keep_fp32=keep)
+    cast_for_bf16_true(model, keep_fp32=keep)
+    assert len(model[1]._forward_pre_hooks) == 1 and len(model[1]._forward_hooks) == 1
+    assert model[0].weight.dtype == torch.float32 and model[2].weight.dtype == torch.bfloat16
+    assert model(torch.tensor([[1, 2, 3]])).dtype == torch.bfloat16
+    assert not fp32_modules_rule(nn.Embedding(10, 8))
+    assert fp32_modules_rule(nn.BatchNorm1d(4)) and fp32_modules_rule(nn.GroupNorm(2, 4))
+    with pytest.raises(ValueError, match="pass dtype=torch.bfloat16"):
+        cast_for_bf16_true(model, dtype=torch.float32)
