@@ -295,3 +295,47 @@ def test_works_with_a_real_hugging_face_model_from_a_config():
         losses.append(out.loss.item())
     assert out.logits.dtype == torch.float16
     assert losses[-1] < 0.5 * losses[0]
+
+
+def stalled_regression(compensation, steps=150, precision="bf16-true"):
+    """Weights of magnitude ~2 and Adam updates of ~1e-4: below bf16's resolution there (2**-6)."""
+    g = torch.Generator().manual_seed(0)
+    w_true = 2.0 + torch.rand(1, 16, generator=g)
+    x = torch.randn(256, 16, generator=g)
+    y = x @ w_true.T
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(w_true + 0.05 * torch.randn(1, 16, generator=g))
+    acc = Accelerator(mixed_precision=precision, cpu=True, bf16_true_compensation=compensation)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0))
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_bf16_true_compensated_update_keeps_learning_where_plain_bf16_stalls():
+    plain = stalled_regression("none")
+    kahan = stalled_regression("kahan")
+    fp32 = stalled_regression("none", precision="fp32")
+    assert plain[-1] == pytest.approx(plain[0], rel=1e-3)  # every update rounded away
+    assert fp32[-1] < 0.7 * fp32[0]
+    assert kahan[-1] == pytest.approx(fp32[-1], rel=0.1)  # the compensated run tracks fp32
+
+
+def test_bf16_true_keeps_norms_in_fp32_and_the_scheduler_drives_the_compensated_optimizer():
+    acc = Accelerator(mixed_precision="bf16-true", cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    model, popt, psched = acc.prepare(model, opt, sched)
+    assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
+    acc.backward(model(torch.randn(3, 4)).float().pow(2).mean())
+    popt.step()
+    psched.step()
+    assert type(popt.optimizer).__module__ == "mixprec.optim" and popt.optimizer.param_groups[0]["lr"] == 5e-4

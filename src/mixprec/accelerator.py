@@ -20,9 +20,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from . import distributed as D
+from .bf16_true import cast_for_bf16_true
 from .data import PreparedDataLoader
 from .diagnostics.monitor import DiagnosticsConfig, Monitor
 from .hardware import default_device
+from .optim import compensated_for_bf16
 from .precision import PrecisionPolicy, resolve_precision
 from .scaler import LossScaler
 from .state import load_accelerator_state, save_accelerator_state
@@ -55,6 +57,9 @@ class Accelerator:
             torch's own hooks; ``None`` leaves it in fp32.
         diagnostics: a :class:`~mixprec.diagnostics.DiagnosticsConfig` (or a dict of its fields):
             gradient statistics, overflow tracing. They observe only. Off by default.
+        bf16_true_compensation: for ``bf16-true``, how the optimizer keeps updates smaller than
+            bf16's resolution of the weights: ``"kahan"`` (default) or ``"stochastic"`` rounding;
+            ``"none"`` keeps the user's optimizer as it is (small updates are then lost).
         compile: ``True`` (or a dict of ``torch.compile`` arguments) compiles prepared models; it
             composes with autocast and the loss scaler. Off by default.
         on_loss_scale_collapse: ``"raise"`` (default) lets :class:`~mixprec.LossScaleCollapse`
@@ -73,7 +78,8 @@ class Accelerator:
     def __init__(self, mixed_precision: str | PrecisionPolicy | None = None, gradient_accumulation_steps: int = 1,
                  cpu: bool = False, device_placement: bool = True, loss_scaler: LossScaler | dict | None = None,
                  ddp_comm_hook: str | None = None, diagnostics: DiagnosticsConfig | dict | None = None,
-                 on_loss_scale_collapse: str = "raise", compile: bool | dict = False) -> None:
+                 on_loss_scale_collapse: str = "raise", compile: bool | dict = False,
+                 bf16_true_compensation: str = "kahan") -> None:
         if not isinstance(gradient_accumulation_steps, int) or isinstance(gradient_accumulation_steps, bool) \
                 or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
@@ -84,6 +90,9 @@ class Accelerator:
         if not isinstance(compile, (bool, dict)):
             raise TypeError(f"compile must be True/False or a dict of torch.compile arguments, got {type(compile).__name__}")
         self.compile = compile
+        if bf16_true_compensation not in ("kahan", "stochastic", "none"):
+            raise ValueError(f"bf16_true_compensation must be 'kahan', 'stochastic' or 'none', got {bf16_true_compensation!r}")
+        self.bf16_true_compensation = bf16_true_compensation
         self.diagnostics = DiagnosticsConfig.coerce(diagnostics)
         self.on_loss_scale_collapse = on_loss_scale_collapse
         device = torch.device("cpu") if cpu else default_device()
@@ -201,7 +210,9 @@ class Accelerator:
         if device_placement if device_placement is not None else self.device_placement:
             model.to(self.device)
         if self.policy.param_dtype != torch.float32:
-            model.to(self.policy.param_dtype)
+            # bf16-true: bf16 everywhere but normalisation layers, whose statistics stay fp32 (the rule
+            # is mixprec.bf16_true.fp32_modules_rule).
+            cast_for_bf16_true(model, dtype=self.policy.param_dtype)
         patch_forward(model, self)
         if self.diagnostics.enabled and self.monitor is None:
             self.monitor = Monitor(self.diagnostics, model, self.scaler)
@@ -220,13 +231,17 @@ class Accelerator:
         """Wrap ``optimizer`` so that ``step()`` does the loss scaler's work."""
         if isinstance(optimizer, AcceleratedOptimizer):
             optimizer = optimizer.optimizer
+        original = optimizer
+        if self.policy.name == "bf16-true" and self.bf16_true_compensation != "none":
+            optimizer = compensated_for_bf16(optimizer, self.bf16_true_compensation)
         wrapped = AcceleratedOptimizer(optimizer, self)
+        wrapped.original_optimizer = original
         self._optimizers.append(wrapped)
         return wrapped
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap ``scheduler`` so that it steps only when its optimizer's step was applied."""
-        mine = [o for o in self._optimizers if o.optimizer is scheduler.optimizer]
+        mine = [o for o in self._optimizers if scheduler.optimizer in (o.optimizer, o.original_optimizer)]
         wrapped = AcceleratedScheduler(scheduler, mine or self._optimizers, self)
         self._schedulers.append(wrapped)
         return wrapped

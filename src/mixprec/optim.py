@@ -402,3 +402,21 @@ def make_bf16_optimizer(params: Iterable[Any], name: str = "adamw", compensation
     _check(not unknown, f"{cls.__name__} has no hyperparameter(s) {', '.join(unknown)}; "
                         f"it takes {', '.join(accepted)}")
     return cls(params, compensation=compensation, state_dtype=state_dtype, generator=generator, **hyperparams)
+
+
+def compensated_for_bf16(optimizer: torch.optim.Optimizer, compensation: str = "kahan") -> torch.optim.Optimizer:
+    """The compensated twin of a fresh ``torch.optim.AdamW`` or ``SGD`` (anything else is returned as is).
+
+    The twin takes over the original's parameter-group dicts themselves, so an LR scheduler built
+    on the original still sets the learning rate the twin uses. An optimizer that has already
+    stepped (it holds state) is returned as is: its moments would be lost.
+    """
+    kinds = {torch.optim.AdamW: (AdamW, ("lr", "betas", "eps", "weight_decay")),
+             torch.optim.SGD: (SGD, ("lr", "momentum", "dampening", "weight_decay", "nesterov"))}
+    if type(optimizer) not in kinds or optimizer.state:
+        return optimizer
+    cls, keys = kinds[type(optimizer)]
+    if any(g.get("maximize") or g.get("amsgrad") for g in optimizer.param_groups):
+        return optimizer  # options the compensated update does not have: keep torch's
+    defaults = {k: optimizer.defaults[k] for k in keys}
+    return cls(optimizer.param_groups, compensation=compensation, **defaults)

@@ -72,6 +72,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, accelerator: Accelerator) -> None:
         # Deliberately no super().__init__: this object is a view of ``optimizer``.
         self.optimizer = optimizer
+        self.original_optimizer = optimizer  # what the user passed (differs for bf16-true's compensated one)
         self.accelerator = accelerator
         self._step_was_skipped = False
 
@@ -130,6 +131,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             except LossScaleCollapse as e:
                 self._step_was_skipped = True
                 on_loss_scale_collapse(acc, e)  # raises, or falls back to another precision
+        if self.original_optimizer is not self.optimizer:
+            # A scheduler built on the user's optimizer checks that *it* stepped (torch's flag).
+            self.original_optimizer._opt_called = True
         acc._after_optimizer_step(self)
         return out
 
