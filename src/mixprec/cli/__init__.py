@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import demo, doctor, env, train
+from . import bench, demo, doctor, env, train
 
-_SUBCOMMANDS = {"demo": demo, "train": train, "doctor": doctor, "env": env}
+_SUBCOMMANDS = {"demo": demo, "train": train, "bench": bench, "doctor": doctor, "env": env}
 
 __all__ = ["main", "build_parser"]
 

@@ -1,0 +1,218 @@
+"""``mixprec bench``: the same training job under each precision, interleaved in one run.
+
+The measuring is :func:`mixprec.bench.run_bench`'s; this module parses the flags and presents
+the result: a table on the terminal, ``bench.json`` and ``bench.png`` in the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..bench import DEFAULT_PRECISIONS, BenchConfig, run_bench
+
+__all__ = ["register", "run", "format_table", "plot_result", "write_json"]
+
+_EPILOG = """Examples:
+  mixprec bench --size tiny --steps 5 --rounds 2
+  mixprec bench --task pycode --size small --steps 10 --rounds 3 --out /tmp/bench-small
+  mixprec bench --precisions fp32,bf16-mixed --compare hf,accelerate --profile
+  PYTHONPATH=. mixprec bench --model mymod:build_model --data mymod:build_data
+
+Each precision trains its own model (same initial weights, same data order) through
+mixprec.Accelerator; in each round every precision runs --steps steps in turn, so a change in
+the machine's speed hits all alike. Speed-ups are throughput ratios against fp32 measured in
+the same run. On the CPU, peak memory is measured in a fresh process per precision."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure one training job under each precision: speed, memory, TFLOP/s and loss",
+        description="Train the same job under each precision, interleaved in rounds, and report the median "
+        "step time, samples/s and tokens/s, the speed-up over fp32, peak memory, achieved TFLOP/s against "
+        "the device's measured matrix-product peak, and the final losses against fp32's.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--task", default="pycode", help="built-in task: pycode (default) or digits")
+    p.add_argument("--size", default=None, help="pycode's size: tiny, mini (default) or small")
+    p.add_argument("--arch", default="mlp", help="digits' model: mlp (default) or cnn")
+    p.add_argument("--model", metavar="MODULE:FACTORY", help="your model factory (forward returns .loss)")
+    p.add_argument("--data", metavar="MODULE:FACTORY", help="your data factory: a dataset or (train, eval)")
+    p.add_argument("--precisions", default=",".join(DEFAULT_PRECISIONS),
+                   help=f"comma-separated precisions (default {','.join(DEFAULT_PRECISIONS)})")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per precision in each round (default 20)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of interleaving (default 3)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per precision first (default 2)")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per step (default 8)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: CUDA, then MPS, then CPU)")
+    p.add_argument("--compare", default="", metavar="hf,accelerate",
+                   help="also run the job through the Hugging Face Trainer (hf) and/or Accelerate (accelerate)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    p.add_argument("--matmul-size", type=int, default=None, help="side of the peak-measuring matmul")
+    p.add_argument("--profile", action="store_true", help="print the top operators of one step per precision")
+    p.add_argument("--out", default=None, metavar="DIR", help="output folder (default runs/bench-<time>)")
+    p.set_defaults(func=run)
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = BenchConfig(task=args.task, size=args.size, arch=args.arch, model=args.model, data=args.data,
+                             precisions=_split(args.precisions), steps=args.steps, rounds=args.rounds,
+                             warmup=args.warmup, batch_size=args.batch_size, device=args.device,
+                             compare=_split(args.compare), memory=not args.no_memory,
+                             matmul_size=args.matmul_size, profile=args.profile)
+        result = run_bench(config)
+    except ValueError as exc:
+        print(f"mixprec bench: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    result["command"] = _command(config, out)
+    write_json(result, out / "bench.json")
+    plot_result(result, out / "bench.png")
+    print(format_table(result))
+    for name, prof in result["profile"].items():
+        print(f"\nprofile of one {name} step: {prof['matmul_fraction']:.0%} of the operators' self time in "
+              f"matrix products (mm/addmm/bmm/attention), {prof['self_time_ms']:.1f} ms in all\n{prof['table']}")
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0
+
+
+def _command(config: BenchConfig, out: Path) -> str:
+    words = ["mixprec", "bench"]
+    if config.model:
+        words += ["--model", config.model, "--data", config.data]
+    else:
+        words += ["--task", config.task] + (["--size", config.size] if config.size else []) + (
+            ["--arch", config.arch] if config.task == "digits" else [])
+    words += ["--precisions", ",".join(config.precisions), "--steps", str(config.steps), "--rounds",
+              str(config.rounds), "--warmup", str(config.warmup), "--batch-size", str(config.batch_size)]
+    words += (["--device", config.device] if config.device else []) + (
+        ["--compare", ",".join(config.compare)] if config.compare else [])
+    words += (["--no-memory"] if not config.memory else []) + (
+        ["--matmul-size", str(config.matmul_size)] if config.matmul_size else [])
+    return shlex.join(words + (["--profile"] if config.profile else []) + ["--out", str(out)])
+
+
+def _num(value: float | None, fmt: str, suffix: str = "") -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:{fmt}}{suffix}"
+
+
+def _loss(row: dict[str, Any], key: str) -> str:
+    rel = row.get(f"{key}_rel_diff")
+    return _num(row.get(key), ".4f") + (f" ({rel:+.2%})" if rel is not None and math.isfinite(rel) else "")
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The bench result as an aligned text table, with the machine, the peaks and the notes."""
+    task, machine, base = result["task"], result["machine"], result["baseline"] or "-"
+    rows = result["results"]
+    tokens = task["tokens_per_sample"]
+    cfg = result["config"]
+    peaks = ", ".join(f"{k} {v:.2f}" for k, v in result["matmul_peak_tflops"].items())
+    lines = [
+        f"{task['name']}: {task['description']}",
+        f"{task['parameters']:,} parameters, batch {task['batch_size']}"
+        + (f" x {tokens} tokens" if tokens else "")
+        + f"; {cfg['steps']} steps x {cfg['rounds']} rounds per precision, interleaved, after {cfg['warmup']} warm-up",
+        f"machine: {machine['device']} ({machine['device_name']}), torch {machine['torch']}, "
+        f"{machine['threads']} threads",
+        f"matmul peak ({result['matmul_size']}^3, measured after each round, best): {peaks} TFLOP/s",
+        "",
+    ]
+    vs_mixprec = any(r["runner"] != "mixprec" for r in rows.values())
+    header = ["precision", "step ms", "samples/s", "tokens/s", "speed-up", "peak MiB", "TFLOP/s", "% of peak",
+              f"train loss (vs {base})", f"eval loss (vs {base})"] + (["vs mixprec"] if vs_mixprec else [])
+    table = [header]
+    skipped = []
+    for name, r in rows.items():
+        if r.get("status") != "ok":
+            skipped.append(f"{name}: skipped: {r.get('reason', '')}")
+            continue
+        mem = r.get("peak_memory_bytes")
+        table.append([name, _num(r["step_time_s"] * 1e3, ".1f"), _num(r["samples_per_s"], ".2f"),
+                      _num(r["tokens_per_s"], ",.0f"), _num(r["speedup"], ".2f", "x"),
+                      _num(mem / 2**20 if mem is not None else None, ".1f"), _num(r["tflops"], ".3f"),
+                      _num(r["fraction_of_peak"] * 100 if r["fraction_of_peak"] else None, ".1f", "%"),
+                      _loss(r, "train_loss"), _loss(r, "eval_loss")]
+                     + ([_num(r.get("throughput_vs_mixprec"), ".2f", "x")] if vs_mixprec else []))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        lines.append("  ".join(c.ljust(w) if i in (0, 8, 9) else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    notes = skipped + list(result["notes"])
+    if result["memory_method"]:
+        notes.append(f"peak memory: {result['memory_method']}")
+    notes.append(f"speed-up: throughput over {base}'s, the median over rounds of each round's ratio; TFLOP/s: "
+                 "forward+backward FLOPs / median step time; % of peak: of the compute dtype's matmul peak "
+                 "measured after the same round (median over rounds)")
+    return "\n".join(lines + ([""] + [f"note: {n}" for n in notes] if notes else []))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN or infinity
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    """Write the result as strict JSON (non-finite numbers become ``null``)."""
+    path.write_text(json.dumps(_finite(result), indent=2) + "\n")
+
+
+_BLUE, _ORANGE, _GREEN = "#4c72b0", "#dd8452", "#55a868"
+
+
+def plot_result(result: dict[str, Any], path: Path) -> None:
+    """A two-panel bar chart: throughput speed-up and peak memory per precision."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    ok = {n: r for n, r in result["results"].items() if r.get("status") == "ok"}
+    names = list(ok)
+    fig = Figure(figsize=(max(8.0, 1.6 * len(names) + 4), 4.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    speed = [ok[n]["speedup"] or 0.0 for n in names]
+    bars = left.bar(names, speed, color=[_BLUE if ok[n]["runner"] == "mixprec" else _ORANGE for n in names])
+    left.bar_label(bars, labels=[f"{s:.2f}x" for s in speed], padding=2)
+    left.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    left.set_title(f"Throughput speed-up over {result['baseline'] or 'the baseline'}")
+    left.set_xlabel("precision")
+    left.set_ylabel("speed-up (x, higher is faster)")
+    if any(ok[n]["runner"] != "mixprec" for n in names):
+        left.legend(handles=[Patch(color=_BLUE, label="mixprec.Accelerator"), Patch(color=_ORANGE, label="Hugging Face")],
+                    loc="upper left", fontsize="small")
+    mem_names = [n for n in names if ok[n].get("peak_memory_bytes") is not None]
+    mem = [ok[n]["peak_memory_bytes"] / 2**20 for n in mem_names]
+    bars = right.bar(mem_names, mem, color=_GREEN)
+    right.bar_label(bars, labels=[f"{m:.0f}" for m in mem], padding=2)
+    if not mem_names:
+        right.text(0.5, 0.5, "not measured", ha="center", va="center", transform=right.transAxes)
+        right.set_yticks([])
+        right.set_xticks([])
+    right.set_title("Peak memory of training")
+    right.set_xlabel("precision")
+    right.set_ylabel("peak memory (MiB)")
+    for ax in (left, right):
+        for label in ax.get_xticklabels():
+            label.set(rotation=20, ha="right", rotation_mode="anchor")
+        ax.margins(y=0.3 if ax is left else 0.15)
+    machine = result["machine"]
+    fig.suptitle(f"mixprec bench: {result['task']['name']} on {machine['device']} ({machine['device_name']})")
+    fig.savefig(path, dpi=120)

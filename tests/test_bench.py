@@ -1,0 +1,181 @@
+"""``mixprec bench`` measures one job under each precision and writes a table, bench.json and a PNG."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import warnings
+
+import pytest
+
+import mixprec.bench as bench
+from mixprec.bench import BenchConfig, run_bench
+from mixprec.cli import main
+from mixprec.hardware import detect_capability
+from mixprec.precision import PrecisionPerformanceWarning
+
+# Tiny on purpose: the machines are shared; the numbers only have to be there and make sense.
+TINY = ["--size", "tiny", "--steps", "2", "--rounds", "2", "--warmup", "1", "--batch-size", "4",
+        "--matmul-size", "128", "--device", "cpu"]
+TINY_CONFIG = dict(size="tiny", steps=2, rounds=2, warmup=1, batch_size=4, matmul_size=128, device="cpu",
+                   memory=False)
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["bench", *TINY, "--precisions", "fp32,bf16-mixed", "--out", str(out)])
+    return code, stdout.getvalue(), out
+
+
+def test_bench_prints_a_table_with_a_row_per_precision(bench_run):
+    code, stdout, _ = bench_run
+    assert code == 0
+    for word in ("precision", "step ms", "samples/s", "tokens/s", "speed-up", "peak MiB", "TFLOP/s", "% of peak",
+                 "train loss", "eval loss", "fp32", "bf16-mixed", "matmul peak"):
+        assert word in stdout
+    rows = [line for line in stdout.splitlines() if line.startswith(("fp32 ", "bf16-mixed "))]
+    assert len(rows) == 2
+
+
+def test_bench_json_holds_the_machine_the_command_and_finite_positive_numbers(bench_run):
+    _, _, out = bench_run
+    result = json.loads((out / "bench.json").read_text())
+    for key in ("machine", "config", "task", "baseline", "matmul_peak_tflops", "memory_method", "results", "notes",
+                "command"):
+        assert key in result
+    assert {"device", "device_name", "torch", "threads"} <= set(result["machine"])
+    assert result["command"].startswith("mixprec bench ")
+    assert result["baseline"] == "fp32"
+    assert set(result["matmul_peak_tflops"]) == {"float32", "bfloat16"}
+    assert all(v > 0 for v in result["matmul_peak_tflops"].values())
+    for name in ("fp32", "bf16-mixed"):
+        row = result["results"][name]
+        assert row["status"] == "ok"
+        for key in ("step_time_s", "samples_per_s", "tokens_per_s", "speedup", "peak_memory_bytes", "tflops",
+                    "fraction_of_peak", "flops_per_step", "train_loss", "eval_loss"):
+            assert isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0, (name, key)
+        assert math.isfinite(row["train_loss_rel_diff"]) and math.isfinite(row["eval_loss_rel_diff"])
+        assert len(row["step_times_s"]) == 2 * 2  # steps x rounds
+        # tokens = batch x sequence length for pycode
+        assert row["tokens_per_s"] == pytest.approx(row["samples_per_s"] * 64)
+    assert result["results"]["fp32"]["flops_per_step"] == result["results"]["bf16-mixed"]["flops_per_step"]
+
+
+def test_bench_png_is_a_valid_image_matplotlib_can_read(bench_run):
+    _, _, out = bench_run
+    data = (out / "bench.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    image = matplotlib.image.imread(out / "bench.png")
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_fp32_speedup_over_itself_is_exactly_one(bench_run):
+    _, _, out = bench_run
+    row = json.loads((out / "bench.json").read_text())["results"]["fp32"]
+    assert row["speedup"] == 1.0 and row["speedup_fastest_steps"] == 1.0
+    assert row["train_loss_rel_diff"] == 0.0 and row["eval_loss_rel_diff"] == 0.0
+
+
+def test_speedup_is_the_median_of_the_per_round_ratios_and_drift_is_said_in_the_notes():
+    def row(per_round, fastest):
+        return {"status": "ok", "runner": "mixprec", "precision": "fp32", "train_loss": 1.0, "eval_loss": 1.0,
+                "step_time_per_round_s": per_round, "step_time_min_s": fastest,
+                "round_spread": max(per_round) / min(per_round)}
+
+    # The machine slowed 4x in round 3 while fp32 ran, and in round 2 while bf16 ran.
+    rows = {"fp32": row([1.0, 1.0, 4.0], 1.0), "bf16-mixed": row([0.5, 2.0, 0.5], 0.5)}
+    bench._add_ratios(rows, "fp32")
+    assert rows["fp32"]["speedup"] == 1.0
+    assert rows["bf16-mixed"]["speedup"] == 2.0  # median of 2.0, 0.5 and 8.0
+    assert rows["bf16-mixed"]["speedup_fastest_steps"] == 2.0
+    (note,) = bench._drift_note(rows)
+    assert "speed changed during the run" in note and "bf16-mixed 2.00x" in note
+    steady = {"fp32": row([1.0, 1.1, 1.0], 1.0), "bf16-mixed": row([0.5, 0.5, 0.55], 0.5)}
+    bench._add_ratios(steady, "fp32")
+    assert bench._drift_note(steady) == []
+
+
+def test_bad_precision_name_is_an_error_that_lists_the_valid_names(capsys):
+    assert main(["bench", "--precisions", "fp32,fp8", "--out", "/nonexistent/never-written"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mixprec bench: error: ")
+    assert "fp8" in err and "Valid names" in err and "bf16-mixed" in err
+    assert "Traceback" not in err
+    with pytest.raises(ValueError, match="Valid names"):
+        BenchConfig(precisions=("fp8",))
+
+
+def test_compare_with_an_unknown_name_is_an_error(capsys):
+    assert main(["bench", "--compare", "hf,deepspeed", "--out", "/nonexistent/never-written"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mixprec bench: error: ") and "deepspeed" in err and "hf, accelerate" in err
+    with pytest.raises(ValueError, match="unknown compare name"):
+        BenchConfig(compare=("torchtitan",))
+
+
+def test_precision_the_device_cannot_run_is_reported_as_skipped_with_the_reason(monkeypatch):
+    real = bench.Accelerator
+
+    def accelerator(mixed_precision=None, **kwargs):
+        if mixed_precision == "bf16-true":
+            raise ValueError("precision 'bf16-true' is not supported on cpu: (a device without bf16)")
+        return real(mixed_precision=mixed_precision, **kwargs)
+
+    monkeypatch.setattr(bench, "Accelerator", accelerator)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_bench(BenchConfig(precisions=("fp32", "fp16-mixed", "bf16-true"), **TINY_CONFIG))
+    rows = result["results"]
+    assert rows["bf16-true"]["status"] == "skipped"
+    assert "not supported on cpu" in rows["bf16-true"]["reason"]
+    assert rows["fp32"]["status"] == rows["fp16-mixed"]["status"] == "ok"
+    # fp16 on a CPU without AMX-FP16 is said once, in the notes, not as a warning per call site.
+    assert not [w for w in caught if issubclass(w.category, PrecisionPerformanceWarning)]
+    if detect_capability("cpu").support["fp16-mixed"] == "emulated":
+        assert any(n.startswith("fp16-mixed is emulated here") for n in result["notes"])
+
+
+def test_a_users_task_from_factories_runs_and_counts_its_tokens():
+    result = run_bench(BenchConfig(model="toys:TinyLM", data="toys:LMData", precisions=("fp32", "bf16"),
+                                   steps=2, rounds=1, warmup=0, batch_size=8, matmul_size=128, memory=False,
+                                   device="cpu"))
+    row = result["results"]["bf16-mixed"]
+    assert row["status"] == "ok"
+    assert result["task"]["tokens_per_sample"] == 12
+    assert "eval loss on the training data" in result["task"]["description"]
+
+
+def test_a_users_factory_that_does_not_exist_is_an_error_naming_it(capsys):
+    assert main(["bench", "--model", "toys:NoSuchModel", "--data", "toys:LMData", "--out", "/nonexistent/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mixprec bench: error: ") and "NoSuchModel" in err
+
+
+def test_help_has_an_example(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "Examples" in out and "mixprec bench --" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers and accelerate")
+def test_hugging_face_runs_train_the_same_model_on_the_same_data_as_mixprec():
+    result = run_bench(BenchConfig(precisions=("bf16-mixed",), compare=("hf", "accelerate"), **TINY_CONFIG))
+    rows = result["results"]
+    ours = rows["bf16-mixed"]
+    for name in ("hf-trainer bf16-mixed", "accelerate bf16-mixed"):
+        assert rows[name]["status"] == "ok", rows[name].get("reason")
+        assert len(rows[name]["step_times_s"]) == 2 * 2
+        # Same init, same data order, same optimizer: the same losses, give or take bf16 rounding.
+        assert rows[name]["train_loss"] == pytest.approx(ours["train_loss"], rel=1e-3)
+        assert rows[name]["throughput_vs_mixprec"] > 0
