@@ -122,14 +122,14 @@ def test_compare_with_an_unknown_name_is_an_error(capsys):
 
 
 def test_precision_the_device_cannot_run_is_reported_as_skipped_with_the_reason(monkeypatch):
-    real = bench.Accelerator
+    real = bench.runners.Accelerator
 
     def accelerator(mixed_precision=None, **kwargs):
         if mixed_precision == "bf16-true":
             raise ValueError("precision 'bf16-true' is not supported on cpu: (a device without bf16)")
         return real(mixed_precision=mixed_precision, **kwargs)
 
-    monkeypatch.setattr(bench, "Accelerator", accelerator)
+    monkeypatch.setattr(bench.runners, "Accelerator", accelerator)  # where _mixprec_runner looks it up
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = run_bench(BenchConfig(precisions=("fp32", "fp16-mixed", "bf16-true"), **TINY_CONFIG))

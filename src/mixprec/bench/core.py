@@ -1,0 +1,276 @@
+"""``run_bench``: the contestants built and warmed up, the interleaved rounds, each row's numbers,
+the ratios against the baseline, and the notes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..data import send_to_device
+from ..hardware import default_device, detect_capability
+from ..precision import PrecisionPerformanceWarning
+from .config import BenchConfig, _build_job, _call, _Job, _loss_of, _tokens_per_sample
+from .measure import _dtype_name, _matmul_peak, _profile_step
+from .memory import _measure_memory
+from .runners import (
+    _HF_FACTORIES,
+    _HF_RUNNERS,
+    _compare_precision,
+    _hf_missing,
+    _LoopRunner,
+    _mixprec_runner,
+    _reset_hf_state,
+    _TrainerRunner,
+)
+
+__all__ = ["run_bench"]
+
+_LAST_LOSSES = 5  # training losses averaged into the final loss
+
+
+# -- the run ------------------------------------------------------------------------------------
+def _eval_loss(model: torch.nn.Module, batches: list[Any], device: torch.device) -> float:
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            n = len(next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0])
+            total += float(_loss_of(_call(model, send_to_device(batch, device))).float()) * n
+            count += n
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def _resolve_device(name: str | None) -> torch.device:
+    device = torch.device(name) if name is not None else default_device()
+    detect_capability(device)  # raises, saying why, for a device that is not there
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+def _machine(device: torch.device) -> dict[str, Any]:
+    cap = detect_capability(device)
+    return {"device": cap.device, "device_name": cap.name, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+
+
+def run_bench(config: BenchConfig) -> dict[str, Any]:
+    """Train the job under each precision, interleaved, and measure it; returns every number.
+
+    Precisions the device cannot run are reported with ``status="skipped"`` and the reason. That
+    fp16 is emulated on a CPU without AMX-FP16 lands in ``notes``, not in a warning.
+
+    Args:
+        config: what to measure.
+
+    Returns:
+        ``{"machine", "config", "task", "baseline", "matmul_size", "matmul_peak_tflops",
+        "memory_method", "results", "notes", "profile"}``; ``results`` maps a row name (a
+        precision, or ``"hf-trainer bf16-mixed"``...) to its numbers.
+
+    Example:
+        >>> out = run_bench(BenchConfig(size="tiny", precisions=["fp32"], steps=2, rounds=1, memory=False))
+        >>> out["results"]["fp32"]["speedup"]
+        1.0
+    """
+    device = _resolve_device(config.device)
+    cap = detect_capability(device)
+    try:
+        job = _build_job(config)
+    except (ImportError, AttributeError, TypeError) as exc:  # load_factory's, naming the spec and the fix
+        raise ValueError(f"cannot build the task: {exc}") from exc
+    notes = [f"{p} is emulated here: {cap.reasons[p]}" for p in config.precisions
+             if cap.support.get(p) == "emulated" and p in cap.reasons]
+    rows: dict[str, dict[str, Any]] = {}
+    runners: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # said once, in the notes
+        for p in config.precisions:
+            rows[p] = {"runner": "mixprec", "precision": p}
+            _start(rows[p], runners, p, lambda p=p: _mixprec_runner(job, p, config, device), device, config)
+        hf_precision = _compare_precision(config.precisions)
+        for c in config.compare:
+            name = f"{_HF_RUNNERS[c]} {hf_precision}"
+            rows[name] = {"runner": _HF_RUNNERS[c], "precision": hf_precision}
+            if _hf_missing(c):
+                _skip(rows[name], _hf_missing(c))
+                continue
+            _start(rows[name], runners, name, lambda c=c: _HF_FACTORIES[c](job, hf_precision, config, device, notes),
+                   device, config)
+        size = config.matmul_size or (2048 if device.type == "cpu" else 4096)
+        dtypes = sorted({torch.float32} | {_COMPUTE_DTYPE[p] for p in config.precisions}, key=str)
+        try:
+            profiles, round_peaks = _run_rounds(rows, runners, job, config, device,
+                                                lambda: _matmul_peak(device, dtypes, size))
+        finally:
+            for runner in runners.values():
+                runner.finish()
+            _reset_hf_state()
+        memory_method = _measure_memory(rows, runners, config, device)
+    peaks = {k: max(p[k] for p in round_peaks) for k in round_peaks[0]}
+    sample = next(iter(DataLoader(job.train, batch_size=config.batch_size, collate_fn=job.collate_fn)))
+    tokens = _tokens_per_sample(sample)
+    for name, runner in runners.items():
+        _finish_row(rows[name], runner, config, round_peaks, rows, tokens)
+    baseline = "fp32" if rows.get("fp32", {}).get("status") == "ok" else next(
+        (n for n, r in rows.items() if r.get("status") == "ok" and r["runner"] == "mixprec"), None)
+    if baseline not in (None, "fp32"):
+        notes.append(f"fp32 was not measured: speed-ups and loss differences are against {baseline}")
+    _add_ratios(rows, baseline)
+    notes += _drift_note(rows)
+    notes += [f"{n} trains with {r['optimizer']}: the Accelerator's replacement for the fused torch AdamW"
+              for n, r in rows.items() if r.get("status") == "ok" and r["runner"] == "mixprec"
+              and r["optimizer"] != "torch.optim.AdamW (fused)"]
+    if any(r["runner"] != "mixprec" and r.get("status") == "ok" for r in rows.values()):
+        notes.append("Hugging Face rows: same init, data order and optimizer as mixprec's; their FLOPs per step "
+                     "are mixprec's count for the same job, their memory is not measured; vs mixprec is their "
+                     "throughput over mixprec.Accelerator's at the same precision")
+    model = next(iter(runners.values())).model if runners else job.build_model()
+    return {
+        "machine": _machine(device),
+        "config": dataclasses.asdict(config),
+        "task": {"name": job.name, "description": job.description, "batch_size": config.batch_size,
+                 "tokens_per_sample": tokens, "parameters": sum(p.numel() for p in model.parameters())},
+        "baseline": baseline,
+        "matmul_size": size,
+        "matmul_peak_tflops": peaks,
+        "matmul_peak_tflops_per_round": round_peaks,
+        "memory_method": memory_method,
+        "results": rows,
+        "notes": list(dict.fromkeys(notes)),
+        "profile": profiles,
+    }
+
+
+_COMPUTE_DTYPE = {"fp32": torch.float32, "fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,
+                  "bf16-true": torch.bfloat16}
+
+
+def _skip(row: dict[str, Any], reason: str) -> None:
+    row.update(status="skipped", reason=reason)
+
+
+def _start(row: dict[str, Any], runners: dict[str, Any], name: str, build: Callable[[], Any],
+           device: torch.device, config: BenchConfig) -> None:
+    """Build a contestant, count its FLOPs on one step, warm it up; a failure skips it, saying why."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    runner = None
+    try:
+        runner = build()
+        if isinstance(runner, _LoopRunner):  # the Trainer warms up in its own run (_run_rounds)
+            row["flops_per_step"] = runner.count_flops()
+            runner.run_chunk(config.warmup)
+    except Exception as exc:  # e.g. resolve_precision's ValueError for a precision the device lacks
+        _skip(row, f"{type(exc).__name__}: {exc}")
+        if runner is not None:
+            runner.finish()
+        return
+    runner.times.clear()
+    runner.losses.clear()
+    if device.type == "cuda" and config.memory and row["runner"] == "mixprec":
+        row["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) - before
+    row.update(status="ok", optimizer=runner.optimizer)
+    runners[name] = runner
+
+
+def _run_rounds(rows: dict[str, dict[str, Any]], runners: dict[str, Any], job: _Job, config: BenchConfig,
+                device: torch.device, peak: Callable[[], dict[str, float]]) -> tuple[dict[str, Any], list[dict]]:
+    """The interleaved rounds, each ending with a matmul-peak measurement (so the peak drifts with
+    the steps it is compared to); then each contestant's eval loss and (if asked) a profiled step."""
+    played, peaks = [], []
+
+    def play_round(r: int) -> None:
+        for name, runner in list(runners.items()):
+            if isinstance(runner, _LoopRunner):
+                try:
+                    runner.run_chunk(config.steps)
+                except Exception as exc:  # one contestant failing must not lose the others' numbers
+                    _skip(rows[name], f"failed in round {r + 1}: {type(exc).__name__}: {exc}")
+                    runners.pop(name).finish()
+        peaks.append(peak())
+        played.append(r)
+
+    trainer = next(((n, r) for n, r in runners.items() if isinstance(r, _TrainerRunner)), None)
+    if trainer is not None:
+        try:
+            trainer[1].train(config, play_round)
+        except Exception as exc:
+            _skip(rows[trainer[0]], f"failed: {type(exc).__name__}: {exc}")
+            runners.pop(trainer[0]).finish()
+    for r in range(len(played), config.rounds):
+        play_round(r)
+    eval_set = job.eval_batches(config)
+    for name, runner in runners.items():
+        rows[name]["eval_loss"] = _eval_loss(runner.model, eval_set, device)
+    profiles = {n: _profile_step(r, device) for n, r in runners.items()
+                if config.profile and rows[n]["runner"] == "mixprec"}
+    return profiles, peaks
+
+
+def _finish_row(row: dict[str, Any], runner: Any, config: BenchConfig, round_peaks: list[dict[str, float]],
+                rows: dict[str, dict[str, Any]], tokens: int | None) -> None:
+    median = statistics.median(runner.times)
+    per_round = [statistics.median(runner.times[r * config.steps:(r + 1) * config.steps])
+                 for r in range(config.rounds)]
+    samples = config.batch_size / median
+    row.update(step_time_s=median, step_time_per_round_s=per_round, step_time_min_s=min(runner.times),
+               round_spread=max(per_round) / min(per_round), step_times_s=list(runner.times),
+               samples_per_s=samples, tokens_per_s=samples * tokens if tokens else None,
+               compute_dtype=_dtype_name(_COMPUTE_DTYPE[row["precision"]]))
+    if not row.get("flops_per_step"):  # a compare row: the same job's FLOPs, counted on our run
+        row["flops_per_step"] = rows.get(row["precision"], {}).get("flops_per_step")
+    flops = row["flops_per_step"]
+    row["tflops"] = flops / median / 1e12 if flops else None
+    # Each round against the peak measured right after it, so a slower machine lowers both alike.
+    row["fraction_of_peak"] = statistics.median(
+        flops / t / 1e12 / p[row["compute_dtype"]] for t, p in zip(per_round, round_peaks)) if flops else None
+    row["train_loss"] = float(torch.stack(runner.losses[-_LAST_LOSSES:]).float().mean())
+
+
+def _round_ratio(base: dict[str, Any], row: dict[str, Any]) -> float:
+    """The median over rounds of the per-round throughput ratio: drift between rounds cancels."""
+    return statistics.median(b / t for b, t in zip(base["step_time_per_round_s"], row["step_time_per_round_s"]))
+
+
+def _add_ratios(rows: dict[str, dict[str, Any]], baseline: str | None) -> None:
+    base = rows.get(baseline, {}) if baseline else {}
+    for row in rows.values():
+        if row.get("status") != "ok":
+            continue
+        # Equal batches, so the step-time ratio is the throughput ratio.
+        row["speedup"] = _round_ratio(base, row) if base else None
+        # Other work only ever slows a step down: the fastest steps are the least disturbed.
+        row["speedup_fastest_steps"] = base["step_time_min_s"] / row["step_time_min_s"] if base else None
+        for key in ("train_loss", "eval_loss"):
+            b = base.get(key)
+            row[f"{key}_rel_diff"] = (row[key] - b) / abs(b) if b else None
+        twin = rows.get(row["precision"], {})
+        if row["runner"] != "mixprec" and twin.get("status") == "ok":
+            row["throughput_vs_mixprec"] = _round_ratio(twin, row)
+
+
+def _drift_note(rows: dict[str, dict[str, Any]], tolerance: float = 1.25) -> list[str]:
+    """A warning, in words, when the machine's speed changed so much between rounds that the
+    interleaving cannot cancel it (other work on a shared machine comes and goes in bursts)."""
+    ok = {n: r for n, r in rows.items() if r.get("status") == "ok"}
+    worst = max(ok.items(), key=lambda kv: kv[1]["round_spread"], default=None)
+    if worst is None or worst[1]["round_spread"] <= tolerance:
+        return []
+    fastest = ", ".join(f"{n} {r['speedup_fastest_steps']:.2f}x" for n, r in ok.items()
+                        if r.get("speedup_fastest_steps") is not None)
+    return [f"the machine's speed changed during the run ({worst[0]}'s round medians differ by "
+            f"{worst[1]['round_spread']:.1f}x; other work running?): the speed-ups are unreliable. On each one's "
+            f"fastest steps, the least disturbed: {fastest}. Rerun on an idle machine, or with more, shorter rounds"]
