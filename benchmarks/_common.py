@@ -27,19 +27,29 @@ def digits_job():
     return (lambda: DigitsMLP(hidden_size=128)), DigitsDataset("train")
 
 
+def timed_steps(dl, steps: int, step: Callable[[object], None]) -> list[float]:
+    """Run ``step(batch)`` ``steps`` times over ``dl`` (restarting it when it runs out); per-step seconds."""
+    times, it = [], iter(dl)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch = next(it, None)
+        if batch is None:
+            it = iter(dl)
+            batch = next(it)
+        step(batch)
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
+    return times
+
+
 def hand_loop(model, data, batch_size, dtype, steps, *, clip=None, fused=True, seed=0) -> list[float]:
     """The hand-written torch.autocast loop: the baseline. Returns per-step seconds."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     g = torch.Generator().manual_seed(seed)
     dl = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate, generator=g)
-    times, it = [], iter(dl)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        try:
-            batch = next(it)
-        except StopIteration:
-            it = iter(dl)
-            batch = next(it)
+
+    def step(batch):
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             loss = model(**batch).loss
         loss.backward()
@@ -47,10 +57,8 @@ def hand_loop(model, data, batch_size, dtype, steps, *, clip=None, fused=True, s
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t1 = time.perf_counter()
-        times.append(t1 - t0)
-        t0 = t1
-    return times
+
+    return timed_steps(dl, steps, step)
 
 
 def median_after_warmup(times: list[float], warmup: int = 3) -> float:

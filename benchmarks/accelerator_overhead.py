@@ -9,33 +9,22 @@ mixprec's ratio to the hand-written loop (target: within 2%), and bf16's speed-u
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from mixprec import Accelerator
 from mixprec.tasks import collate
 
-from _common import GPT_MINI, GPT_SMALL, gpt_job, hand_loop, interleave, median_after_warmup
+from _common import GPT_MINI, GPT_SMALL, gpt_job, hand_loop, interleave, median_after_warmup, timed_steps
 
 
 def accelerator_loop(acc, model, opt, dl, steps):
-    times, it = [], iter(dl)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        try:
-            batch = next(it)
-        except StopIteration:
-            it = iter(dl)
-            batch = next(it)
-        loss = model(**batch).loss
-        acc.backward(loss)
+    def step(batch):
+        acc.backward(model(**batch).loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t1 = time.perf_counter()
-        times.append(t1 - t0)
-        t0 = t1
-    return times
+
+    return timed_steps(dl, steps, step)
 
 
 def main():

@@ -19,6 +19,21 @@ def _pyplot():
     return plt
 
 
+def _save(fig, ax, path: str | Path, *, title: str, xlabel: str, ylabel: str, legend: dict | None = None,
+          grid: dict | None = None) -> Path:
+    """Label, lay out and write a figure: every plot here is titled, with labelled axes and a legend."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, **(grid or {}))
+    ax.legend(**(legend or {}))
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    _pyplot().close(fig)
+    return path
+
+
 def plot_loss_curves(train: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, *,
                      evaluation: Mapping[str, Sequence[tuple[int, float]]] | None = None,
                      title: str = "Training loss") -> Path:
@@ -42,16 +57,7 @@ def plot_loss_curves(train: Mapping[str, Sequence[tuple[int, float]]], path: str
         if points:
             steps, losses = zip(*points)
             ax.plot(steps, losses, "o--", color=colors.get(name), label=f"{name} (validation)", markersize=5)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy loss (nats per byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, title=title, xlabel="optimizer step", ylabel="cross-entropy loss (nats per byte)")
 
 
 def plot_loss_scale(history: Sequence[tuple[int, float, bool]], path: str | Path, *,
@@ -74,13 +80,4 @@ def plot_loss_scale(history: Sequence[tuple[int, float, bool]], path: str | Path
         else:
             ax.plot([], [], " ", label="no step skipped")
     ax.set_yscale("log", base=2)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss scale (log2)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, title=title, xlabel="optimizer step", ylabel="loss scale (log2)", grid={"which": "both"})

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..plots import _pyplot
+from ..plots import _pyplot, _save
 from .limits import FORMAT_LIMITS
 
 __all__ = ["plot_gradient_histogram", "plot_layer_underflow"]
@@ -56,16 +56,8 @@ def plot_gradient_histogram(probe: dict[str, Any], path: str | Path, *, scale: f
                 "both ends lie far outside this plot", xy=(0.02, 0.97), xycoords="axes fraction", va="top", fontsize=8,
                 bbox={"boxstyle": "round", "fc": "white", "ec": "0.7"})
     ax.set_xlim(lo - 1, hi + 2)
-    ax.set_xlabel("log2 |gradient value|")
-    ax.set_ylabel("fraction of gradient values")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, title=title, xlabel="log2 |gradient value|", ylabel="fraction of gradient values",
+                 legend={"loc": "upper center", "bbox_to_anchor": (0.5, -0.14), "ncol": 3, "fontsize": 8})
 
 
 def plot_layer_underflow(layers: list[dict[str, Any]], path: str | Path, *, scale: float, title: str,
@@ -89,13 +81,5 @@ def plot_layer_underflow(layers: list[dict[str, Any]], path: str | Path, *, scal
                 ax.text(v, i + offset, f" {v:.2%}", va="center", fontsize=7)
     ax.set_yticks(list(y), names, fontsize=8)
     ax.set_xlim(0, max(0.01, top * 1.3))
-    ax.set_xlabel("fraction of the layer's gradient values flushed to zero (worst step)")
-    ax.set_ylabel("layer (module path)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3, axis="x")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, title=title, xlabel="fraction of the layer's gradient values flushed to zero (worst step)",
+                 ylabel="layer (module path)", legend={"loc": "lower right", "fontsize": 8}, grid={"axis": "x"})
