@@ -168,7 +168,8 @@ def test_help_has_an_example(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers and accelerate")
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None,
+                    reason="needs transformers and accelerate (the hf extra)")
 def test_hugging_face_runs_train_the_same_model_on_the_same_data_as_mixprec():
     result = run_bench(BenchConfig(precisions=("bf16-mixed",), compare=("hf", "accelerate"), **TINY_CONFIG))
     rows = result["results"]
