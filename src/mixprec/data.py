@@ -18,9 +18,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
 
-__all__ = ["send_to_device", "PreparedDataLoader"]
+__all__ = ["send_to_device", "collate", "PreparedDataLoader"]
 
 
 def send_to_device(batch: Any, device: torch.device, non_blocking: bool = False, float_dtype: torch.dtype | None = None) -> Any:
@@ -47,6 +47,27 @@ def send_to_device(batch: Any, device: torch.device, non_blocking: bool = False,
         changes = {f.name: send_to_device(getattr(batch, f.name), device, non_blocking, float_dtype)
                    for f in dataclasses.fields(batch) if f.init}
         return dataclasses.replace(batch, **changes)
+    return batch
+
+
+def collate(samples: Any) -> Any:
+    """A batch from what a DataLoader fetched: an already-collated batch passes through.
+
+    A dataset's ``__getitems__`` may return the whole batch already stacked (a dict of tensors,
+    or a tuple of them: one tensor index instead of a Python loop over samples); anything else
+    (a list of samples) goes to torch's ``default_collate``. ``label`` is renamed ``labels``, as
+    Hugging Face's default collator does.
+
+    Example:
+        >>> collate([{"x": torch.tensor(1), "label": 0}, {"x": torch.tensor(2), "label": 1}])
+        {'x': tensor([1, 2]), 'labels': tensor([0, 1])}
+    """
+    collated = isinstance(samples, Mapping) or (
+        isinstance(samples, tuple) and len(samples) > 0 and all(isinstance(t, torch.Tensor) for t in samples))
+    batch = samples if collated else default_collate(samples)
+    if isinstance(batch, Mapping) and "label" in batch and "labels" not in batch:
+        batch = dict(batch)
+        batch["labels"] = batch.pop("label")
     return batch
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.tasks._batch import collate
+from mixprec.data import collate
 from mixprec.tasks._output import CausalLMOutput, ClassifierOutput, ModelOutput
 from mixprec.tasks.digits import DigitsCNN, DigitsDataset, DigitsMLP, accuracy
 from mixprec.tasks.gpt import GPT, GPTConfig

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.tasks._batch import collate
+from mixprec.data import collate
 from mixprec.tasks._output import ClassifierOutput
 
 __all__ = ["NUM_CLASSES", "load_digits_split", "DigitsDataset", "DigitsMLP", "DigitsCNN", "accuracy", "collate"]

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mixprec.tasks._batch import collate
+from mixprec.data import collate
 from mixprec.tasks.gpt import GPTConfig
 
 __all__ = [

@@ -14,9 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, IterableDataset, default_collate
+from torch.utils.data import Dataset, IterableDataset
 
-__all__ = ["prepare_dataset", "model_input_names", "collate"]
+from ..data import collate
+
+__all__ = ["prepare_dataset", "model_input_names", "collate"]  # collate: re-exported from mixprec.data
 
 
 def model_input_names(model: torch.nn.Module) -> tuple[list[str], bool]:
@@ -25,20 +27,6 @@ def model_input_names(model: torch.nn.Module) -> tuple[list[str], bool]:
     params = inspect.signature(forward).parameters.values()
     names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
-
-
-def collate(samples: Any) -> Any:
-    """Pass an already-collated batch through; otherwise torch's ``default_collate``; rename
-    ``label`` to ``labels`` as Hugging Face's default collator does."""
-    batch = samples if isinstance(samples, Mapping) or _is_collated(samples) else default_collate(samples)
-    if isinstance(batch, Mapping) and "label" in batch and "labels" not in batch:
-        batch = dict(batch)
-        batch["labels"] = batch.pop("label")
-    return batch
-
-
-def _is_collated(x: Any) -> bool:
-    return isinstance(x, tuple) and len(x) > 0 and all(isinstance(t, torch.Tensor) for t in x)
 
 
 class _ColumnDataset(Dataset):
