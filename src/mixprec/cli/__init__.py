@@ -26,8 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    # On the command line a warning is a sentence for the user, not a source location.
+    print(f"mixprec: warning: {message}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``mixprec`` command line; returns the exit code."""
+    import warnings
+
+    warnings.showwarning = _show_warning
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # A config file comes right after the command; the --flags after it may be overrides that
