@@ -156,17 +156,22 @@ def test_state_dict_round_trip_continues_bit_for_bit(name, compensation, state_d
             assert torch.equal(opt2.state[q][key], value), key
 
 
-def test_fp32_parameters_get_torch_adamw():
-    params, ref = _small_params(torch.float32), _small_params(torch.float32)
-    ours = AdamW(params, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, compensation="kahan")
-    theirs = torch.optim.AdamW(ref, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, foreach=True)
-    g = torch.Generator().manual_seed(3)
-    for _ in range(6):
+def _step_both(ours, theirs, params, ref, steps, seed):
+    """Give both optimizers the same random gradients, ``steps`` times."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
         for p, q in zip(params, ref):
             p.grad = torch.randn(p.shape, generator=g)
             q.grad = p.grad.clone()
         ours.step()
         theirs.step()
+
+
+def test_fp32_parameters_get_torch_adamw():
+    params, ref = _small_params(torch.float32), _small_params(torch.float32)
+    ours = AdamW(params, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, compensation="kahan")
+    theirs = torch.optim.AdamW(ref, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, foreach=True)
+    _step_both(ours, theirs, params, ref, steps=6, seed=3)
     for p, q in zip(params, ref):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
         assert "kahan_comp" not in ours.state[p]  # no compensation where fp32 loses nothing
@@ -177,13 +182,7 @@ def test_fp32_parameters_get_torch_adamw():
 def test_fp32_parameters_get_torch_sgd(kw):
     params, ref = _small_params(torch.float32), _small_params(torch.float32)
     ours, theirs = SGD(params, lr=1e-2, **kw), torch.optim.SGD(ref, lr=1e-2, foreach=True, **kw)
-    g = torch.Generator().manual_seed(4)
-    for _ in range(5):
-        for p, q in zip(params, ref):
-            p.grad = torch.randn(p.shape, generator=g)
-            q.grad = p.grad.clone()
-        ours.step()
-        theirs.step()
+    _step_both(ours, theirs, params, ref, steps=5, seed=4)
     for p, q in zip(params, ref):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
 

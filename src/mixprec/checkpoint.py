@@ -148,12 +148,6 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return manifest["files"]
 
 
-def read_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``meta`` table of a checkpoint's manifest."""
-    with open(Path(path) / MANIFEST) as fh:
-        return json.load(fh).get("meta", {})
-
-
 def load_tensor_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
     """``torch.load(path, weights_only=True)``, with a refusal that names the file.
 

@@ -172,12 +172,6 @@ def _build_job(config: BenchConfig) -> _Job:
     return job
 
 
-def _call(model: torch.nn.Module, batch: Any) -> Any:
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    return model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
-
-
 def _loss_of(out: Any) -> torch.Tensor:
     loss = out if isinstance(out, torch.Tensor) else out["loss"] if isinstance(out, Mapping) else getattr(out, "loss", None)
     if loss is None:

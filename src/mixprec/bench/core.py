@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 from ..data import send_to_device
 from ..hardware import default_device, detect_capability
 from ..precision import PrecisionPerformanceWarning
-from .config import BenchConfig, _build_job, _call, _Job, _loss_of, _tokens_per_sample
+from ..trainer.outputs import call_model
+from .config import BenchConfig, _build_job, _Job, _loss_of, _tokens_per_sample
 from .measure import _dtype_name, _matmul_peak, _profile_step
 from .memory import _measure_memory
 from .runners import (
@@ -44,7 +45,7 @@ def _eval_loss(model: torch.nn.Module, batches: list[Any], device: torch.device)
     with torch.no_grad():
         for batch in batches:
             n = len(next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0])
-            total += float(_loss_of(_call(model, send_to_device(batch, device))).float()) * n
+            total += float(_loss_of(call_model(model, send_to_device(batch, device), model)).float()) * n
             count += n
     model.train(was_training)
     return total / max(count, 1)

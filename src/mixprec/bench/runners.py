@@ -16,7 +16,8 @@ import torch
 from torch.utils import flop_counter
 
 from ..accelerator import Accelerator
-from .config import BenchConfig, _call, _Job, _loss_of
+from ..trainer.outputs import call_model
+from .config import BenchConfig, _Job, _loss_of
 from .measure import _CPU_SDPA_FLOPS, _Clock
 
 
@@ -41,7 +42,7 @@ class _LoopRunner:
     def step(self, flops: flop_counter.FlopCounterMode | None = None) -> torch.Tensor:
         batch = self._next()
         with flops if flops is not None else contextlib.nullcontext():
-            loss = _loss_of(_call(self.model, batch))
+            loss = _loss_of(call_model(self.model, batch, self.model))
             self.acc.backward(loss)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

@@ -21,6 +21,7 @@ import torch
 from ..accelerator import Accelerator
 from ..hardware import detect_capability
 from ..precision import PrecisionPerformanceWarning
+from ..trainer.outputs import call_model, extract_loss
 from .gradient_stats import GradientStats
 from .limits import FORMAT_LIMITS
 from .monitor import DiagnosticsConfig
@@ -57,7 +58,6 @@ class DoctorConfig:
 
 
 def _loss_of(outputs: Any) -> torch.Tensor:
-    from ..trainer.outputs import extract_loss
 
     loss = extract_loss(outputs)
     if loss is None:
@@ -83,7 +83,7 @@ def _probe(precision: str, build_model: Callable[[], torch.nn.Module], dataset: 
         if batch is None:
             it = iter(dl)
             continue
-        outputs = model(**batch) if isinstance(batch, dict) else model(*batch)
+        outputs = call_model(model, batch, model)
         loss = _loss_of(outputs)
         acc.backward(loss)
         stats.observe(step, grads_are_scaled_by=acc.scaler)  # before unscaling: they carry the scale

@@ -267,8 +267,7 @@ class Trainer:
 
         def loss_of(m: torch.nn.Module, b: Any) -> torch.Tensor:
             # The model's own forward (not the autocast one), so the fp32 pass really is fp32.
-            f = getattr(m, "_mixprec_original_forward", forward)
-            return extract_loss(f(**b) if isinstance(b, dict) else f(*b) if isinstance(b, (tuple, list)) else f(b))
+            return extract_loss(call_model(getattr(m, "_mixprec_original_forward", forward), b, inner))
 
         d = precision_drift(inner, batch, loss_of, self.accelerator.autocast)
         self.log({"drift_loss_fp32": d["loss_fp32"], "drift_loss_mixed": d["loss_mixed"], "drift_rel": d["rel_diff"]})
@@ -327,9 +326,7 @@ class Trainer:
         if self._grad_norm is not None:
             logs["grad_norm"] = float(self._grad_norm)
         logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
-        if acc.scaler is not None:
-            s.skipped_steps, s.loss_scale = acc.scaler.skipped_steps, acc.scaler.get_scale()
-            logs.update(loss_scale=s.loss_scale, skipped_steps=s.skipped_steps)
+        logs.update(self._read_scaler_into_state())
         if acc.monitor is not None:
             logs.update(acc.monitor.log_values())
         if s.precision != acc.policy.name:  # a loss-scale collapse made the run fall back
@@ -338,6 +335,14 @@ class Trainer:
         self._steps_since_log = 0
         self._done["log"] = s.global_step
         self.log(logs)
+
+    def _read_scaler_into_state(self) -> dict[str, Any]:
+        """Copy the loss scaler's skip count and scale into ``state`` (syncs); returns them for a log."""
+        scaler = self.accelerator.scaler
+        if scaler is None:
+            return {}
+        self.state.skipped_steps, self.state.loss_scale = scaler.skipped_steps, scaler.get_scale()
+        return {"loss_scale": self.state.loss_scale, "skipped_steps": self.state.skipped_steps}
 
     def log(self, logs: dict[str, Any]) -> None:
         """Record ``logs`` in ``state.log_history`` and hand them to the callbacks (``on_log``)."""
@@ -368,9 +373,7 @@ class Trainer:
         path = out / f"checkpoint-{self.state.global_step}"
         if improved:
             self.state.best_model_checkpoint = str(path)
-        if self.accelerator.scaler is not None:
-            self.state.skipped_steps = self.accelerator.scaler.skipped_steps
-            self.state.loss_scale = self.accelerator.scaler.get_scale()
+        self._read_scaler_into_state()
         self.state.loss_since_log = float(self._loss_since_log)
         self.state.steps_since_log = self._steps_since_log
         self.accelerator.save_state(path, extra_files={"trainer_state.json": self.state.to_json_string(),
