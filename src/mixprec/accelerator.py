@@ -36,10 +36,19 @@ _ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "
 _SUPPORTED = "torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.utils.data.DataLoader"
 
 
-def _is_scheduler(obj: Any) -> bool:
-    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
-        hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)
-    )
+def _kind(obj: Any) -> str | None:
+    """What ``prepare`` makes of ``obj``: an optimizer is checked before the scheduler duck type
+    (a prepared optimizer also has ``step`` and an ``.optimizer``)."""
+    if isinstance(obj, torch.nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, DataLoader):
+        return "dataloader"
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+            hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)):
+        return "scheduler"
+    return None
 
 
 class Accelerator:
@@ -187,21 +196,20 @@ class Accelerator:
         Raises:
             TypeError: for an object of any other type, naming the supported ones.
         """
-        for obj in objects:
-            if not (isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, DataLoader)) or _is_scheduler(obj)):
+        kinds = [_kind(obj) for obj in objects]
+        for obj, kind in zip(objects, kinds):
+            if kind is None:
                 raise TypeError(f"Accelerator.prepare() cannot prepare a {type(obj).__module__}.{type(obj).__name__}; "
                                 f"it prepares {_SUPPORTED}")
+        prepare = {"model": self.prepare_model, "optimizer": self.prepare_optimizer,
+                   "dataloader": self.prepare_data_loader, "scheduler": self.prepare_scheduler}
         out: list[Any] = list(objects)
         # Models before optimizers (bf16-true casts the parameters the optimizer holds), and
         # schedulers last, since they must find their prepared optimizer.
-        for kind in (torch.nn.Module, torch.optim.Optimizer, DataLoader):
-            for i, obj in enumerate(objects):
-                if isinstance(obj, kind) and not (kind is torch.optim.Optimizer and _is_scheduler(obj)):
-                    out[i] = {torch.nn.Module: self.prepare_model, torch.optim.Optimizer: self.prepare_optimizer,
-                              DataLoader: self.prepare_data_loader}[kind](obj)
-        for i, obj in enumerate(objects):
-            if _is_scheduler(obj) and not isinstance(obj, torch.optim.Optimizer):
-                out[i] = self.prepare_scheduler(obj)
+        for wanted in ("model", "optimizer", "dataloader", "scheduler"):
+            for i, (obj, kind) in enumerate(zip(objects, kinds)):
+                if kind == wanted:
+                    out[i] = prepare[kind](obj)
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
