@@ -144,7 +144,7 @@ class PreparedDataLoader:
         self._epoch_start_state = self.generator.get_state()
         self._iterable = isinstance(loader.dataset, IterableDataset)
         self._world_size, self._rank = world_size, rank
-        self._skip_iterable = 0
+        self._skip = 0  # batches to skip at the start of the next epoch
         self._sharder: _ShardedBatchSampler | None = None
         if self._iterable or loader.batch_sampler is None:
             if world_size > 1:
@@ -202,10 +202,7 @@ class PreparedDataLoader:
         """Start the next epoch at batch ``n`` of this process's share, without loading the ones before."""
         if n < 0:
             raise ValueError(f"the number of batches to skip must be >= 0, got {n}")
-        if self._sharder is not None:
-            self._sharder.skip = n
-        else:
-            self._skip_iterable = n
+        self._skip = n
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: epochs started, batches yielded in this one, the epoch's RNG state."""
@@ -226,8 +223,9 @@ class PreparedDataLoader:
         # Restored by load_state_dict(), or simply where the last epoch left it: the state from
         # which this epoch's shuffle order (and the workers' base seed) will be drawn.
         self._epoch_start_state = self.generator.get_state()
-        skip = self._sharder.skip if self._sharder is not None else self._skip_iterable
-        self._skip_iterable = 0
+        skip, self._skip = self._skip, 0
+        if self._sharder is not None:
+            self._sharder.skip = skip  # skipped in the sampler: those batches are never loaded
         self.batches_yielded = skip
         self.end_of_dataloader = False
         self._in_epoch = True
