@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from mixprec import _fused_adamw
 from mixprec.bf16_true import cast_for_bf16_true, fp32_modules_rule
 from mixprec.optim import SGD, AdamW, bf16_stochastic_round, make_bf16_optimizer
 
@@ -264,3 +265,141 @@ def test_cast_for_bf16_true_twice_adds_no_second_hooks_and_can_keep_embeddings()
     assert fp32_modules_rule(nn.BatchNorm1d(4)) and fp32_modules_rule(nn.GroupNorm(2, 4))
     with pytest.raises(ValueError, match="pass dtype=torch.bfloat16"):
         cast_for_bf16_true(model, dtype=torch.float32)
+
+
+# The fused (compiled, one kernel per parameter) bf16 update of AdamW against its foreach update:
+# the same parameters, the same behaviour where plain bf16 stalls, the automatic choice and the
+# fallback when compiling fails. Each compiled variant costs a few seconds, once per process.
+
+_SHAPES = [(37, 5), (16,), (1000,), (3, 3, 3)]  # sizes that are not multiples of the vector width
+
+
+def _params(dtype: torch.dtype = torch.bfloat16) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(1)
+    return [nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in _SHAPES]
+
+
+def _run(fused, compensation="kahan", state_dtype=torch.float32, steps=30, params=None, opt=None, seed=2, **kw):
+    params = params if params is not None else _params()
+    opt = opt or AdamW(params, lr=1e-3, weight_decay=0.1, compensation=compensation, state_dtype=state_dtype,
+                       fused=fused, generator=torch.Generator().manual_seed(0), **kw)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+    return params, opt
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of bf16's relative spacing at the larger of the two."""
+    scale = torch.maximum(a.float().abs(), b.float().abs()).clamp_min(1e-30) * torch.finfo(torch.bfloat16).eps
+    return (a.float() - b.float()).abs() / scale
+
+
+@pytest.mark.parametrize("compensation", ["kahan", "none"])
+def test_fused_update_with_fp32_moments_gives_the_foreach_parameters(compensation):
+    ref, ref_opt = _run(False, compensation)
+    got, got_opt = _run(True, compensation)
+    for p, q in zip(ref, got):
+        assert torch.equal(p, q)
+        for key, value in ref_opt.state[p].items():  # fp32 moments: to fp32 rounding (lerp's formula)
+            torch.testing.assert_close(got_opt.state[q][key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_fused_update_with_bf16_moments_stays_within_bf16_rounding_of_the_foreach_one():
+    # The foreach update rounds v * beta2 to bf16 before adding g**2 (two ops); the kernel rounds once.
+    ref, _ = _run(False, "kahan", torch.bfloat16)
+    got, _ = _run(True, "kahan", torch.bfloat16)
+    ulps = torch.cat([_ulps(p, q).flatten() for p, q in zip(ref, got)])
+    assert ulps.max() <= 4, ulps.max()
+    assert (ulps > 0).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
+def test_fused_compensated_run_tracks_fp32_where_plain_bf16_stalls(compensation):
+    first, fp32_loss, _, _ = _train(torch.float32, "adamw", compensation="none")
+    _, plain, w0, w_plain = _train(torch.bfloat16, "adamw", compensation="none", fused=True)
+    assert torch.equal(w_plain, w0) and plain == first  # the fused plain update loses them all too
+    _, loss, w0, w = _train(torch.bfloat16, "adamw", compensation=compensation, fused=True,
+                            generator=torch.Generator().manual_seed(0))
+    assert (w != w0).float().mean() > 0.8
+    assert (first - loss) / (first - fp32_loss) > 0.85, (first, loss, fp32_loss)
+
+
+def test_fused_stochastic_rounding_is_reproducible_under_a_seed_and_differs_across_seeds():
+    a, _ = _run(True, "stochastic")
+    b, _ = _run(True, "stochastic")
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    params = _params()
+    opt = AdamW(params, lr=1e-3, weight_decay=0.1, compensation="stochastic", fused=True,
+                generator=torch.Generator().manual_seed(5))
+    other, _ = _run(True, params=params, opt=opt)
+    assert not all(torch.equal(p, q) for p, q in zip(a, other))
+    # and both stay near the foreach run (the same gradients; only the rounding's coin flips differ)
+    ref, _ = _run(False, "stochastic")
+    ulps = torch.cat([_ulps(p, q).flatten() for p, q in zip(ref, a)])
+    assert ulps.median() <= 2, ulps.median()
+
+
+def test_state_moves_between_fused_and_foreach_updates():
+    ref, _ = _run(False, "kahan", steps=20)
+    params, opt = _run(True, "kahan", steps=10)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    opt2 = AdamW(params, lr=1e-3, weight_decay=0.1, fused=False)
+    opt2.load_state_dict(torch.load(buf, weights_only=True))
+    # the same gradients as steps 11-20 of the reference run
+    g = torch.Generator().manual_seed(2)
+    for _ in range(10):
+        for p in params:
+            torch.randn(p.shape, generator=g)
+    for _ in range(10):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt2.step()
+    assert all(torch.equal(p, q) for p, q in zip(ref, params))
+
+
+def test_auto_mode_compiles_only_large_cpu_buckets(monkeypatch):
+    calls = []
+    real = _fused_adamw.step
+    monkeypatch.setattr(_fused_adamw, "step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _run(None, steps=2)  # 1,264 elements: below the threshold, foreach
+    assert calls == []
+    monkeypatch.setattr(_fused_adamw, "AUTO_MIN_NUMEL", 1000)
+    ref, _ = _run(False, steps=3)
+    got, _ = _run(None, steps=3)
+    assert len(calls) == 3 and all(torch.equal(p, q) for p, q in zip(ref, got))
+    fp32 = [nn.Parameter(torch.randn(2000)) for _ in range(2)]
+    _run(None, steps=1, params=fp32, opt=AdamW(fp32, fused=None))  # fp32 weights: torch's update, never fused
+    assert len(calls) == 3
+
+
+def test_a_failed_compile_falls_back_with_a_warning_or_raises_when_fused_was_asked_for(monkeypatch):
+    def broken(key):
+        def kernel(*args):
+            raise RuntimeError("no C++ compiler found")
+        return kernel
+
+    monkeypatch.setattr(_fused_adamw, "_kernels", {})
+    monkeypatch.setattr(_fused_adamw, "_kernel_for", broken)
+    monkeypatch.setattr(_fused_adamw, "_failure", None)
+    monkeypatch.setattr(_fused_adamw, "AUTO_MIN_NUMEL", 1000)
+    with pytest.raises(RuntimeError, match="fused=None .*or fused=False"):
+        _run(True, steps=1)
+    ref, _ = _run(False, steps=3)
+    with pytest.warns(RuntimeWarning, match="using the foreach update"):
+        got, _ = _run(None, steps=3)
+    assert all(torch.equal(p, q) for p, q in zip(ref, got))  # nothing half-applied: the foreach result
+    assert not _fused_adamw.available()
+
+
+def test_fused_refuses_bad_values_and_non_contiguous_parameters():
+    with pytest.raises(ValueError, match="fused must be None, True or False"):
+        AdamW([nn.Parameter(torch.ones(2))], fused="yes")
+    w = nn.Parameter(torch.ones(4, 6, dtype=torch.bfloat16).t())
+    w.grad = torch.ones_like(w)
+    with pytest.raises(ValueError, match="contiguous"):
+        AdamW([w], fused=True).step()

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from . import _fused_adamw
+
 __all__ = ["AdamW", "SGD", "make_bf16_optimizer", "bf16_stochastic_round", "COMPENSATIONS", "OPTIMIZER_NAMES"]
 
 COMPENSATIONS = ("kahan", "stochastic", "none")
@@ -153,13 +155,8 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
             self._update(group, params, params, g32, compute)
             return
         how = group["compensation"]
-        if how == "stochastic" and dtype != torch.bfloat16:
-            raise ValueError(f"stochastic rounding is implemented for bfloat16 parameters, got {dtype}; "
-                             "use compensation='kahan' for float16 parameters")
+        self._check_low_bucket(how, device, dtype)
         gen = self._generator
-        if how == "stochastic" and gen is not None and gen.device.type != device.type:
-            raise ValueError(f"the generator is on {gen.device} but the parameters are on {device}; "
-                             f"pass torch.Generator(device={str(device)!r})")
         # The weights' fp32 values, in one flat buffer that stochastic rounding works on whole
         # (one draw of random bits per bucket, in the parameters' order: reproducible).
         numels = [p.numel() for p in params]
@@ -168,11 +165,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         torch._foreach_copy_(w32, params)
         comps = []
         if how == "kahan":
-            for p in params:
-                state = self.state[p]
-                if "kahan_comp" not in state:
-                    state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                comps.append(state["kahan_comp"])
+            comps = [self._kahan_comp(p) for p in params]
             # p + comp is the weight's full-precision value: what earlier roundings dropped is back.
             torch._foreach_add_(w32, comps)
         self._update(group, params, w32, g32, compute)
@@ -185,6 +178,21 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_(params, [r.view(p.shape) for r, p in zip(rounded, params)])
         else:
             torch._foreach_copy_(params, w32)  # round to nearest: updates below half an ulp are lost
+
+    def _check_low_bucket(self, how: str, device: torch.device, dtype: torch.dtype) -> None:
+        if how == "stochastic" and dtype != torch.bfloat16:
+            raise ValueError(f"stochastic rounding is implemented for bfloat16 parameters, got {dtype}; "
+                             "use compensation='kahan' for float16 parameters")
+        gen = self._generator
+        if how == "stochastic" and gen is not None and gen.device.type != device.type:
+            raise ValueError(f"the generator is on {gen.device} but the parameters are on {device}; "
+                             f"pass torch.Generator(device={str(device)!r})")
+
+    def _kahan_comp(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "kahan_comp" not in state:
+            state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["kahan_comp"]
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor], w32: list[torch.Tensor],
                 g32: list[torch.Tensor], compute: torch.dtype) -> None:
@@ -250,10 +258,64 @@ class AdamW(_CompensatedOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, compensation: str = "kahan",
-                 state_dtype: torch.dtype = torch.float32, generator: torch.Generator | None = None) -> None:
+                 state_dtype: torch.dtype = torch.float32, generator: torch.Generator | None = None,
+                 fused: bool | None = None) -> None:
+        _check(fused in (None, True, False), f"fused must be None, True or False, got {fused!r}; "
+                                             "None picks the fused update where it pays off")
+        self.fused = fused
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         compensation=compensation, state_dtype=state_dtype)
         super().__init__(params, defaults, generator)
+
+    def _use_fused(self, params: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> bool:
+        if self.fused is False or dtype not in _LOW or torch.compiler.is_compiling():
+            return False
+        if not all(p.is_contiguous() for p in params):
+            if self.fused:
+                raise ValueError("AdamW(fused=True) updates contiguous parameters only; "
+                                 "make them contiguous (p.data = p.data.contiguous()) or pass fused=None")
+            return False
+        if self.fused:
+            return True
+        # Auto: on the CPU, where it was measured faster, and for buckets large enough that the
+        # one-time compile pays off within a short run.
+        return (device.type == "cpu" and _fused_adamw.available()
+                and sum(p.numel() for p in params) >= _fused_adamw.AUTO_MIN_NUMEL)
+
+    def _step_bucket(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
+                     dtype: torch.dtype) -> None:
+        if not self._use_fused(params, device, dtype):
+            super()._step_bucket(group, params, device, dtype)
+            return
+        how = group["compensation"]
+        self._check_low_bucket(how, device, dtype)
+        beta1, beta2 = group["betas"]
+        lr, eps = group["lr"], group["eps"]
+        fresh = [p for p in params if "step" not in self.state[p]]
+        self._init_state(group, params)
+        comps: list[torch.Tensor | None] = [None] * len(params)
+        if how == "kahan":
+            comps = [self._kahan_comp(p) for p in params]
+        hypers = []
+        for p in params:
+            n = self.state[p]["step"].item() + 1
+            c2 = math.sqrt(1 - beta2**n)
+            hypers.append(torch.tensor([1 - lr * group["weight_decay"], 1 - beta1, beta2, 1 - beta2, eps * c2,
+                                        -lr * c2 / (1 - beta1**n)], dtype=torch.float32, device=device))
+        if how == "stochastic":
+            seeds = list(torch.randint(0, 2**31 - 1, (len(params),), device=device, generator=self._generator,
+                                       dtype=torch.int64))
+        else:
+            seeds = [torch.zeros((), dtype=torch.int64, device=device)] * len(params)
+        state = [self.state[p] for p in params]
+        done = _fused_adamw.step(how, params, [p.grad for p in params], [s["exp_avg"] for s in state],
+                                 [s["exp_avg_sq"] for s in state], comps, hypers, seeds, required=bool(self.fused))
+        if not done:
+            for p in fresh:  # leave the state as the foreach update expects to find it
+                self.state[p].clear()
+            super()._step_bucket(group, params, device, dtype)
+            return
+        torch._foreach_add_([s["step"] for s in state], 1.0)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -266,13 +328,7 @@ class AdamW(_CompensatedOptimizer):
                 g32: list[torch.Tensor], compute: torch.dtype) -> None:
         beta1, beta2 = group["betas"]
         lr, sdt = group["lr"], group["state_dtype"]
-        for p in params:
-            state = self.state[p]
-            if "step" not in state:
-                # "step" as a CPU tensor, as torch's AdamW keeps it: reading it never syncs a device.
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
+        self._init_state(group, params)
         steps = [self.state[p]["step"] for p in params]
         exp_avgs = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
@@ -295,6 +351,17 @@ class AdamW(_CompensatedOptimizer):
             torch._foreach_sqrt_(denom)
         torch._foreach_add_(denom, [group["eps"] * c for c in c2])
         torch._foreach_addcdiv_(w32, exp_avgs, denom, [-lr * c / (1 - beta1**n) for c, n in zip(c2, counts)])
+
+
+    def _init_state(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        sdt = group["state_dtype"]
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:
+                # "step" as a CPU tensor, as torch's AdamW keeps it: reading it never syncs a device.
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
 
 
 class SGD(_CompensatedOptimizer):
