@@ -339,3 +339,20 @@ def test_bf16_true_keeps_norms_in_fp32_and_the_scheduler_drives_the_compensated_
     popt.step()
     psched.step()
     assert type(popt.optimizer).__module__ == "mixprec.optim" and popt.optimizer.param_groups[0]["lr"] == 5e-4
+
+
+@pytest.mark.parametrize("given,expected", [("bf16", torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                            ("fp32", torch.float32)])
+def test_bf16_true_state_dtype_sets_the_compensated_optimizers_moments(given, expected):
+    acc = Accelerator(mixed_precision="bf16-true", cpu=True, bf16_true_state_dtype=given)
+    model = torch.nn.Linear(4, 2)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    acc.backward(model(torch.randn(3, 4)).float().pow(2).mean())
+    opt.step()
+    state = opt.optimizer.state[model.weight]
+    assert state["exp_avg"].dtype == expected and state["exp_avg_sq"].dtype == expected
+
+
+def test_bf16_true_state_dtype_refuses_other_dtypes_naming_the_valid_ones():
+    with pytest.raises(ValueError, match="torch.float32 or torch.bfloat16"):
+        Accelerator(mixed_precision="bf16-true", cpu=True, bf16_true_state_dtype="fp16")

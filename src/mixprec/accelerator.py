@@ -32,6 +32,7 @@ from .wrappers import AcceleratedOptimizer, AcceleratedScheduler, patch_forward,
 
 __all__ = ["Accelerator"]
 
+_STATE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 _ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
 _SUPPORTED = "torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.utils.data.DataLoader"
 
@@ -69,6 +70,9 @@ class Accelerator:
         bf16_true_compensation: for ``bf16-true``, how the optimizer keeps updates smaller than
             bf16's resolution of the weights: ``"kahan"`` (default) or ``"stochastic"`` rounding;
             ``"none"`` keeps the user's optimizer as it is (small updates are then lost).
+        bf16_true_state_dtype: for ``bf16-true`` with compensation, the dtype of the optimizer's
+            moments: ``torch.float32`` (default, as accurate as fp32 training) or ``torch.bfloat16``
+            (halves the optimizer's memory; ``"fp32"``/``"bf16"`` are accepted too).
         compile: ``True`` (or a dict of ``torch.compile`` arguments) compiles prepared models; it
             composes with autocast and the loss scaler. Off by default.
         on_loss_scale_collapse: ``"raise"`` (default) lets :class:`~mixprec.LossScaleCollapse`
@@ -88,7 +92,8 @@ class Accelerator:
                  cpu: bool = False, device_placement: bool = True, loss_scaler: LossScaler | dict | None = None,
                  ddp_comm_hook: str | None = None, diagnostics: DiagnosticsConfig | dict | None = None,
                  on_loss_scale_collapse: str = "raise", compile: bool | dict = False,
-                 bf16_true_compensation: str = "kahan") -> None:
+                 bf16_true_compensation: str = "kahan",
+                 bf16_true_state_dtype: torch.dtype | str = torch.float32) -> None:
         if not isinstance(gradient_accumulation_steps, int) or isinstance(gradient_accumulation_steps, bool) \
                 or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
@@ -102,6 +107,10 @@ class Accelerator:
         if bf16_true_compensation not in ("kahan", "stochastic", "none"):
             raise ValueError(f"bf16_true_compensation must be 'kahan', 'stochastic' or 'none', got {bf16_true_compensation!r}")
         self.bf16_true_compensation = bf16_true_compensation
+        self.bf16_true_state_dtype = _STATE_DTYPES.get(bf16_true_state_dtype, bf16_true_state_dtype)
+        if self.bf16_true_state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"bf16_true_state_dtype must be torch.float32 or torch.bfloat16 ('fp32' or 'bf16'), "
+                             f"got {bf16_true_state_dtype!r}")
         self.diagnostics = DiagnosticsConfig.coerce(diagnostics)
         self.on_loss_scale_collapse = on_loss_scale_collapse
         device = torch.device("cpu") if cpu else default_device()
@@ -241,7 +250,7 @@ class Accelerator:
             optimizer = optimizer.optimizer
         original = optimizer
         if self.policy.name == "bf16-true" and self.bf16_true_compensation != "none":
-            optimizer = compensated_for_bf16(optimizer, self.bf16_true_compensation)
+            optimizer = compensated_for_bf16(optimizer, self.bf16_true_compensation, self.bf16_true_state_dtype)
         wrapped = AcceleratedOptimizer(optimizer, self)
         wrapped.original_optimizer = original
         self._optimizers.append(wrapped)

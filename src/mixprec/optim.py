@@ -471,8 +471,10 @@ def make_bf16_optimizer(params: Iterable[Any], name: str = "adamw", compensation
     return cls(params, compensation=compensation, state_dtype=state_dtype, generator=generator, **hyperparams)
 
 
-def compensated_for_bf16(optimizer: torch.optim.Optimizer, compensation: str = "kahan") -> torch.optim.Optimizer:
-    """The compensated twin of a fresh ``torch.optim.AdamW`` or ``SGD`` (anything else is returned as is).
+def compensated_for_bf16(optimizer: torch.optim.Optimizer, compensation: str = "kahan",
+                         state_dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
+    """The compensated twin of a fresh ``torch.optim.AdamW`` or ``SGD`` (anything else is returned as is),
+    with its moments (momentum buffer) in ``state_dtype``; AdamW's twin picks its fused update itself.
 
     The twin takes over the original's parameter-group dicts themselves, so an LR scheduler built
     on the original still sets the learning rate the twin uses. An optimizer that has already
@@ -486,4 +488,4 @@ def compensated_for_bf16(optimizer: torch.optim.Optimizer, compensation: str = "
     if any(g.get("maximize") or g.get("amsgrad") for g in optimizer.param_groups):
         return optimizer  # options the compensated update does not have: keep torch's
     defaults = {k: optimizer.defaults[k] for k in keys}
-    return cls(optimizer.param_groups, compensation=compensation, **defaults)
+    return cls(optimizer.param_groups, compensation=compensation, state_dtype=state_dtype, **defaults)

@@ -1,4 +1,5 @@
-"""Peak memory per precision on the CPU: a fresh process per precision builds and trains it."""
+"""Peak memory per precision on the CPU: a fresh process per precision builds and trains it, and
+reports the peak of live tensor memory and the peak RSS growth."""
 
 from __future__ import annotations
 
@@ -30,9 +31,26 @@ def _proc_status_bytes(key: str) -> int | None:
     return None
 
 
+def _tensor_peak_bytes(prof: Any) -> int | None:
+    """The most bytes of tensor storage alive at once while ``prof`` (``profile_memory=True``) ran:
+    the CPU's counterpart of ``torch.cuda.max_memory_allocated``, from its allocation events."""
+    try:
+        events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    except (AttributeError, RuntimeError):  # a torch whose profiler keeps them elsewhere
+        return None
+    live = peak = 0
+    for _, nbytes in sorted(events):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def _memory_probe_main() -> None:
-    """Run in a fresh process: the peak RSS growth of building and training one precision (CPU)."""
+    """Run in a fresh process: the peak tensor memory (allocations seen by torch's profiler) and the
+    peak RSS growth of building one precision's model and optimizer and training it (CPU)."""
     import resource
+
+    from torch.profiler import ProfilerActivity, profile
 
     request = json.loads(sys.stdin.read())
     config = BenchConfig(**request["config"])
@@ -47,15 +65,18 @@ def _memory_probe_main() -> None:
     unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in bytes on macOS, KiB elsewhere
     if base is None:  # the peak so far is a floor: the growth is then a lower bound
         base, method = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit, "ru_maxrss, a lower bound"
-    runner = _mixprec_runner(job, request["precision"], config, torch.device("cpu"))
-    runner.run_chunk(config.memory_steps)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        runner = _mixprec_runner(job, request["precision"], config, torch.device("cpu"))
+        runner.run_chunk(config.memory_steps)
     peak = _proc_status_bytes("VmHWM") if method == "VmHWM" else None
     peak = peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
-    print(json.dumps({"peak_bytes": max(0, peak - base), "method": method}))
+    print(json.dumps({"tensor_bytes": _tensor_peak_bytes(prof), "rss_bytes": max(0, peak - base),
+                      "method": method}))
 
 
-def _cpu_peak_memory(config: BenchConfig, precision: str) -> tuple[int | None, str]:
-    """``(bytes, how)`` from :func:`_memory_probe_main` in a fresh process; ``(None, why)`` if it failed."""
+def _cpu_peak_memory(config: BenchConfig, precision: str) -> tuple[int | None, int | None, str]:
+    """``(tensor bytes, RSS bytes, how)`` from :func:`_memory_probe_main` in a fresh process;
+    ``(None, None, why)`` if it failed."""
     request = json.dumps({"config": dataclasses.asdict(config), "precision": precision})
     # The same imports as here (a user's factory module found through sys.path included).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -64,13 +85,14 @@ def _cpu_peak_memory(config: BenchConfig, precision: str) -> tuple[int | None, s
         proc = subprocess.run([sys.executable, "-c", code], input=request, capture_output=True, text=True,
                               env=env, timeout=1800)
     except subprocess.TimeoutExpired:
-        return None, "the memory measurement timed out"
+        return None, None, "the memory measurement timed out"
     try:
         out = json.loads(proc.stdout.strip().splitlines()[-1])
-        return int(out["peak_bytes"]), out["method"]
+        tensors = out["tensor_bytes"]
+        return (None if tensors is None else int(tensors)), int(out["rss_bytes"]), out["method"]
     except (ValueError, IndexError, KeyError):
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return None, f"the memory measurement failed: {last}"
+        return None, None, f"the memory measurement failed: {last}"
 
 
 def _measure_memory(rows: dict[str, dict[str, Any]], runners: dict[str, Any], config: BenchConfig,
@@ -85,9 +107,12 @@ def _measure_memory(rows: dict[str, dict[str, Any]], runners: dict[str, Any], co
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         measured = list(pool.map(lambda n: _cpu_peak_memory(config, n), names))
     how = set()
-    for name, (peak, method) in zip(names, measured):
-        rows[name]["peak_memory_bytes"] = peak
+    for name, (tensors, rss, method) in zip(names, measured):
+        rows[name]["peak_memory_bytes"] = tensors
+        rows[name]["peak_rss_bytes"] = rss
         how.add(method)
-    return (f"peak RSS growth of a fresh process per precision that builds the model and trains "
-            f"{config.memory_steps} steps (peak read from {', '.join(sorted(how))}); it includes torch's one-time "
-            "set-up (kernels, thread pools: tens of MiB), so for small models compare the differences")
+    return ("peak MiB: the most tensor memory alive at once (torch.profiler's allocation events) in a fresh "
+            f"process per precision that builds the model and optimizer and trains {config.memory_steps} steps, "
+            "as torch.cuda.max_memory_allocated counts on a GPU; RSS MiB: that process's peak resident-memory "
+            f"growth over the same span (from {', '.join(sorted(how))}), which adds torch's one-time set-up "
+            "(kernels, thread pools, the allocator's cache)")

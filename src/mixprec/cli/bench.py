@@ -133,24 +133,27 @@ def format_table(result: dict[str, Any]) -> str:
         "",
     ]
     vs_mixprec = any(r["runner"] != "mixprec" for r in rows.values())
-    header = ["precision", "step ms", "samples/s", "tokens/s", "speed-up", "peak MiB", "TFLOP/s", "% of peak",
-              f"train loss (vs {base})", f"eval loss (vs {base})"] + (["vs mixprec"] if vs_mixprec else [])
+    rss = any(r.get("peak_rss_bytes") is not None for r in rows.values())
+    header = ["precision", "step ms", "samples/s", "tokens/s", "speed-up", "peak MiB"] + (["RSS MiB"] if rss else []) \
+        + ["TFLOP/s", "% of peak", f"train loss (vs {base})", f"eval loss (vs {base})"] \
+        + (["vs mixprec"] if vs_mixprec else [])
+    left_aligned = {0, header.index(f"train loss (vs {base})"), header.index(f"eval loss (vs {base})")}
     table = [header]
     skipped = []
     for name, r in rows.items():
         if r.get("status") != "ok":
             skipped.append(f"{name}: skipped: {r.get('reason', '')}")
             continue
-        mem = r.get("peak_memory_bytes")
+        mib = [_num(r[k] / 2**20 if r.get(k) is not None else None, ".1f")
+               for k in ("peak_memory_bytes", "peak_rss_bytes")[:1 + rss]]
         table.append([name, _num(r["step_time_s"] * 1e3, ".1f"), _num(r["samples_per_s"], ".2f"),
-                      _num(r["tokens_per_s"], ",.0f"), _num(r["speedup"], ".2f", "x"),
-                      _num(mem / 2**20 if mem is not None else None, ".1f"), _num(r["tflops"], ".3f"),
+                      _num(r["tokens_per_s"], ",.0f"), _num(r["speedup"], ".2f", "x"), *mib, _num(r["tflops"], ".3f"),
                       _num(r["fraction_of_peak"] * 100 if r["fraction_of_peak"] else None, ".1f", "%"),
                       _loss(r, "train_loss"), _loss(r, "eval_loss")]
                      + ([_num(r.get("throughput_vs_mixprec"), ".2f", "x")] if vs_mixprec else []))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
-        lines.append("  ".join(c.ljust(w) if i in (0, 8, 9) else c.rjust(w)
+        lines.append("  ".join(c.ljust(w) if i in left_aligned else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths))).rstrip())
     notes = skipped + list(result["notes"])
     if result["memory_method"]:
@@ -206,7 +209,7 @@ def plot_result(result: dict[str, Any], path: Path) -> None:
         right.text(0.5, 0.5, "not measured", ha="center", va="center", transform=right.transAxes)
         right.set_yticks([])
         right.set_xticks([])
-    right.set_title("Peak memory of training")
+    right.set_title("Peak tensor memory of training")
     right.set_xlabel("precision")
     right.set_ylabel("peak memory (MiB)")
     for ax in (left, right):
