@@ -11,6 +11,7 @@ import contextlib
 import math
 import random
 import time
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -175,6 +176,16 @@ class Trainer:
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train; ``resume_from_checkpoint=True`` continues from the newest complete checkpoint in
         ``output_dir`` (or a path), at the exact batch, with the same data order and RNG."""
+        steps = self._training_steps(resume_from_checkpoint)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def _training_steps(self, resume_from_checkpoint: str | bool | None = None) -> Generator[int, None, TrainOutput]:
+        """:meth:`train`'s loop, paused after each optimizer step (yielding ``global_step``), so a
+        caller can interleave it with other work (``mixprec bench`` does); returns the ``TrainOutput``."""
         args, acc = self.args, self.accelerator
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         train_dl = self.get_train_dataloader()
@@ -221,7 +232,9 @@ class Trainer:
             self._event("on_epoch_begin", train_dataloader=train_dl)
             for batch in train_dl:
                 with acc.accumulate(model):
-                    self._train_one(model, batch, epoch, train_dl)
+                    stepped = self._train_one(model, batch, epoch, train_dl)
+                if stepped:
+                    yield self.state.global_step
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
             self.control.should_epoch_stop = False
@@ -231,7 +244,8 @@ class Trainer:
                 break
         return self._finish(start_time)
 
-    def _train_one(self, model: torch.nn.Module, batch: Any, epoch: int, train_dl: Any) -> None:
+    def _train_one(self, model: torch.nn.Module, batch: Any, epoch: int, train_dl: Any) -> bool:
+        """One micro-batch; returns whether it ended with an optimizer step."""
         acc, args = self.accelerator, self.args
         if self._micro_in_step == 0:
             self._event("on_step_begin")
@@ -241,7 +255,7 @@ class Trainer:
         self._loss_since_log = self._loss_since_log + loss / args.gradient_accumulation_steps
         self._micro_in_step += 1
         if not acc.sync_gradients:
-            return
+            return False
         self._micro_in_step = 0
         # The step a reader can hold in their head: (scaled backward done) -> unscale + clip -> step or
         # skip (inside optimizer.step) -> schedule (only if applied) -> zero.
@@ -259,6 +273,7 @@ class Trainer:
             self.control.should_training_stop = True
             self.control.should_save = self.control.should_save or args.save_strategy == "steps"
         self._maybe_log_save_evaluate(model, epoch_end=False)
+        return True
 
     def _log_drift(self, model: torch.nn.Module, batch: Any) -> None:
         """This batch's loss in fp32 beside the run's precision: what the lower precision costs."""
