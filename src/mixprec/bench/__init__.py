@@ -30,5 +30,7 @@ from .core import _add_ratios as _add_ratios
 from .core import _drift_note as _drift_note
 from .core import run_bench
 from .memory import _memory_probe_main as _memory_probe_main  # run by the CPU memory probe's subprocess
+from .syncs import HostSyncs, SyncEvent, count_host_syncs, host_side_tensors
 
-__all__ = ["BenchConfig", "run_bench", "DEFAULT_PRECISIONS", "COMPARE_NAMES"]
+__all__ = ["BenchConfig", "run_bench", "DEFAULT_PRECISIONS", "COMPARE_NAMES",
+           "count_host_syncs", "host_side_tensors", "HostSyncs", "SyncEvent"]
