@@ -214,6 +214,50 @@ def test_collapse_raises_after_max_consecutive_skips_with_the_fix():
     assert scaler.consecutive_skips == 3
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw-fused"])
+def test_collapse_counts_only_skips_in_a_row(kind):
+    # Known on the host after the found-inf read (sgd) or read from the device (fused): the same count.
+    scaler = LossScaler("cpu", init_scale=4.0, max_consecutive_skips=3)
+    with pytest.raises(LossScaleCollapse, match="3 optimizer steps in a row"):
+        run_scaled(scaler, kind, {0, 1, 3, 4, 6, 7, 8, 9}, n=12)  # two, two, then three skips in a row
+    assert (scaler.total_steps, scaler.skipped_steps, scaler.consecutive_skips) == (9, 7, 3)
+    assert not scaler.last_step_applied
+
+
+@pytest.mark.parametrize("applied_after_load", [True, False])
+def test_last_step_applied_survives_state_dict_and_pickle(applied_after_load):
+    scaler = LossScaler("cpu", init_scale=64.0, max_consecutive_skips=5)
+    run_scaled(scaler, "sgd", set() if applied_after_load else {2}, n=3)
+    assert scaler.last_step_applied is applied_after_load
+    loaded = LossScaler("cpu", init_scale=64.0, max_consecutive_skips=5)
+    loaded.load_state_dict(scaler.state_dict())
+    assert loaded.last_step_applied is applied_after_load
+    assert loaded.consecutive_skips == scaler.consecutive_skips
+    unpickled = pickle.loads(pickle.dumps(scaler))
+    assert unpickled.consecutive_skips == scaler.consecutive_skips
+
+
+def test_last_step_applied_with_a_fused_and_a_plain_optimizer_sees_either_overflow():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+    fused = torch.optim.AdamW(a.parameters(), lr=0.01, fused=True)
+    plain = torch.optim.SGD(b.parameters(), lr=0.01)
+    scaler = LossScaler("cpu", init_scale=8.0)
+    seen = []
+    for step in range(4):
+        x, y = batch(step)
+        fused.zero_grad()
+        plain.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(a(x) + b(x), y)).backward()
+        if step == 1:
+            inject_inf(a)  # only the fused optimizer's gradients overflow
+        scaler.step(fused)
+        scaler.step(plain)
+        scaler.update()
+        seen.append(scaler.last_step_applied)
+    assert seen == [True, False, True, True]
+
+
 def test_disabled_scaler_is_a_no_op():
     scaler = LossScaler("cpu", enabled=False)
     loss = torch.tensor(3.0, requires_grad=True)

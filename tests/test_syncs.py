@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import linecache
 import tempfile
 from pathlib import Path
 
@@ -198,12 +200,35 @@ def _step_syncs(precision: str, optimizer: str, *, clip: bool = False, scheduler
     for _ in range(steps):
         with count_host_syncs(acc.device, ignore=host_side_tensors(opt) if ignore_host_side else ()) as syncs:
             step()
-        per_step.append([(e.what, Path(e.where.rsplit(":", 1)[0]).name) for e in syncs.events])
+        per_step.append(_named(syncs.events))
     return per_step
 
 
-FOUND_INF_READ = ("item", "wrappers.py")  # GradScaler.step reads found_inf to decide whether to step
-LAST_STEP_READ = ("item", "scaler.py")  # LossScaler.last_step_applied / the collapse check
+def _named(events) -> list[tuple[str, str, str]]:
+    """(what, file name, source line) of each event."""
+    out = []
+    for e in events:
+        path, line = e.where.rsplit(":", 1)
+        out.append((e.what, Path(path).name, linecache.getline(path, int(line)).strip()))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """Equal to a ``_named`` triple with this read, in this file, on a line holding ``code``."""
+
+    what: str
+    file: str
+    code: str
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, tuple) and other[:2] == (self.what, self.file) and self.code in other[2]
+
+
+FOUND_INF_READ = _Read("item", "scaler.py", "found_inf_per_device")  # before a non-fused step: step or skip?
+LAST_STEP_READ = _Read("item", "scaler.py", "_last_found_inf.item()")  # last_step_applied
+COLLAPSE_READ = _Read("item", "scaler.py", "_consecutive.item()")  # the max_consecutive_skips check
+STEP_COUNTER_READ = _Read("item", "optim.py", ".item()")  # the compensated AdamW's CPU step counter
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["", "clip"])
@@ -221,24 +246,25 @@ def test_accelerator_step_makes_the_syncs_we_promise(precision, optimizer, expec
 
 def test_bf16_true_compensated_adamw_reads_only_its_host_side_step_counters():
     per_step = _step_syncs("bf16-true", "fused", ignore_host_side=False)
-    assert per_step == [[("item", "optim.py")] * 4] * 3  # one per parameter tensor, all on the host by design
+    assert per_step == [[STEP_COUNTER_READ] * 4] * 3  # one per parameter tensor, all on the host by design
 
 
 @pytest.mark.parametrize("optimizer, expected", [
     ("fused", [LAST_STEP_READ]),
-    ("foreach", [FOUND_INF_READ, LAST_STEP_READ]),
+    ("foreach", [FOUND_INF_READ]),  # the step's own read already told: not read twice
 ])
-def test_fp16_scheduler_reads_whether_the_step_was_applied(optimizer, expected):
+def test_fp16_scheduler_reads_whether_the_step_was_applied_once(optimizer, expected):
     # A skipped step must not advance the schedule, and the schedule is a Python object.
     assert _step_syncs("fp16", optimizer, scheduler=True) == [expected] * 3
 
 
+@pytest.mark.parametrize("scheduler", [False, True], ids=["", "scheduler"])
 @pytest.mark.parametrize("optimizer, expected", [
-    ("fused", [LAST_STEP_READ]),
-    ("foreach", [FOUND_INF_READ, LAST_STEP_READ]),
+    ("fused", [COLLAPSE_READ]),  # which also tells last_step_applied: a scheduler reads nothing more
+    ("foreach", [FOUND_INF_READ]),  # the skip counter follows on the host from the step's read
 ])
-def test_max_consecutive_skips_reads_the_skip_counter_once_per_update(optimizer, expected):
-    per_step = _step_syncs("fp16", optimizer, loss_scaler={"max_consecutive_skips": 5})
+def test_max_consecutive_skips_costs_at_most_one_read_per_update(optimizer, expected, scheduler):
+    per_step = _step_syncs("fp16", optimizer, scheduler=scheduler, loss_scaler={"max_consecutive_skips": 5})
     assert per_step == [expected] * 3
 
 
@@ -257,7 +283,7 @@ class _CountEachStep(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._counter.__exit__(None, None, None)
-        self.per_step.append([(e.what, Path(e.where.rsplit(":", 1)[0]).name) for e in self._counter.events])
+        self.per_step.append(_named(self._counter.events))
 
 
 def _train(max_steps: int, **overrides):

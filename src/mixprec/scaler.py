@@ -47,7 +47,9 @@ class LossScaler(GradScaler):
     exceptions, both GradScaler's own: an optimizer without a fused, scale-aware ``step`` (torch's
     ``fused=True`` Adam/AdamW/SGD have one) needs one read of the found-inf flag to decide whether
     to call ``step()``; and ``max_consecutive_skips``, when set, reads the skip counter once per
-    ``update()``.
+    ``update()``. What a read tells is kept on the host: after the found-inf read, neither
+    ``last_step_applied`` nor the skip-counter check reads again; after the skip-counter read,
+    ``last_step_applied`` does not.
 
     Args:
         device: device type of the gradients (``"cuda"``, ``"cpu"``, ...). ``None`` (the default)
@@ -131,6 +133,9 @@ class LossScaler(GradScaler):
         self._skipped: torch.Tensor | None = None
         self._consecutive: torch.Tensor | None = None
         self._last_found_inf: torch.Tensor | None = None
+        # What host reads already told, so that nothing is read twice: None = unknown on the host.
+        self._last_overflow_on_host: bool | None = None
+        self._consecutive_on_host: int | None = 0
         self._history: collections.deque[torch.Tensor] = collections.deque(maxlen=history_size)
         self._pending_counters: dict[str, int] = {}
 
@@ -142,13 +147,23 @@ class LossScaler(GradScaler):
                                               dtype=torch.int32, device=dev)
         self._skipped = torch.full((), pending.get("skipped_steps", 0), dtype=torch.int64, device=dev)
         self._consecutive = torch.full((), pending.get("consecutive_skips", 0), dtype=torch.int64, device=dev)
+        self._consecutive_on_host = pending.get("consecutive_skips", 0)
         self._pending_counters = {}
+
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
+                        *args: Any, **kwargs: Any) -> Any:
+        # GradScaler's step-or-skip for an optimizer without a fused step: its one read of the
+        # found-inf flag (a sync), whose answer is kept for update().
+        found = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
+        optimizer_state["found_inf_on_host"] = bool(found)
+        return None if found else optimizer.step(*args, **kwargs)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from this iteration's inf/NaN checks (see the module docstring for the rule).
 
         Call once per iteration, after ``step()`` for every optimizer. No host-device sync, unless
-        ``max_consecutive_skips`` is set (one read of the skip counter).
+        ``max_consecutive_skips`` is set: one read of the skip counter, none where every optimizer's
+        ``step()`` already read its found-inf flag (optimizers without a fused step).
 
         Raises:
             LossScaleCollapse: after ``max_consecutive_skips`` skipped steps in a row.
@@ -159,11 +174,12 @@ class LossScaler(GradScaler):
         if new_scale is not None:
             super().update(new_scale)
             return
-        found_infs = [
-            f.to(device=scale.device, non_blocking=True)
-            for state in self._per_optimizer_states.values()
-            for f in state["found_inf_per_device"].values()
-        ]
+        checked = [state for state in self._per_optimizer_states.values() if state["found_inf_per_device"]]
+        found_infs = [f.to(device=scale.device, non_blocking=True)
+                      for state in checked for f in state["found_inf_per_device"].values()]
+        # Known without a sync where every optimizer's step already read its flag (none fused).
+        on_host = [state.get("found_inf_on_host") for state in checked]
+        overflow_on_host = any(on_host) if on_host and None not in on_host else None
         if not found_infs:
             raise RuntimeError(
                 "update() found no inf/NaN checks for this iteration; call scaler.step(optimizer) "
@@ -194,11 +210,18 @@ class LossScaler(GradScaler):
         self._skipped.add_(overflow)
         self._consecutive.add_(1).mul_(overflow)
         self._last_found_inf = overflow
+        self._last_overflow_on_host = overflow_on_host
+        if self._consecutive_on_host is not None:
+            self._consecutive_on_host = None if overflow_on_host is None else \
+                (self._consecutive_on_host + 1 if overflow_on_host else 0)
         self._history.append(torch.stack([scale, found.reshape(())]))  # stack copies: a snapshot
         self._total_steps += 1
         self._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
         if self._max_consecutive_skips is not None:
-            n = int(self._consecutive.item())
+            n = self._consecutive_on_host
+            if n is None:
+                n = self._consecutive_on_host = int(self._consecutive.item())
+                self._last_overflow_on_host = n > 0  # the run of skips includes this step iff it overflowed
             if n >= self._max_consecutive_skips:
                 raise LossScaleCollapse(
                     f"the loss scale collapsed: {n} optimizer steps in a row were skipped because the "
@@ -211,7 +234,9 @@ class LossScaler(GradScaler):
     # -- accounting (each read syncs) --------------------------------------------------
     @property
     def last_step_applied(self) -> bool:
-        """Whether the last iteration's optimizer step was applied (no inf/NaN). Syncs.
+        """Whether the last iteration's optimizer step was applied (no inf/NaN). Syncs, unless a
+        read in that iteration already told (an optimizer without a fused step, or the
+        ``max_consecutive_skips`` check).
 
         Right for fused optimizers too: it is read from the same found-inf flags the fused
         kernels use to skip, not inferred from a change of scale. ``True`` before any step and
@@ -219,6 +244,8 @@ class LossScaler(GradScaler):
         """
         if not self._enabled or self._last_found_inf is None:
             return True
+        if self._last_overflow_on_host is not None:
+            return not self._last_overflow_on_host
         return not bool(self._last_found_inf.item())
 
     @property
@@ -291,6 +318,7 @@ class LossScaler(GradScaler):
             "skipped_steps": int(state_dict.get("skipped_steps", 0)),
             "consecutive_skips": int(state_dict.get("consecutive_skips", 0)),
         }
+        self._consecutive_on_host = counters["consecutive_skips"]
         if self._scale is None:
             self._pending_counters = counters
         else:
@@ -304,6 +332,7 @@ class LossScaler(GradScaler):
         )
         applied = state_dict.get("last_step_applied")
         self._last_found_inf = None if applied is None else torch.tensor(not applied, device=dev)
+        self._last_overflow_on_host = None if applied is None else not applied
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -314,7 +343,8 @@ class LossScaler(GradScaler):
                 "consecutive_skips": self.consecutive_skips,
             }
             state["_hysteresis_counter"] = state["_skipped"] = state["_consecutive"] = None
-            state["_last_found_inf"] = None
+            state["_last_found_inf"] = state["_last_overflow_on_host"] = None
+            state["_consecutive_on_host"] = state["_pending_counters"]["consecutive_skips"]
             state["_history"] = collections.deque(maxlen=self._history_size)
         return state
 
