@@ -37,7 +37,8 @@ CPU (unless fused or capturable) and read it with ``.item()`` every step;
 Limits: a read inside a torch *Python* function that torch-function modes intercept (most of
 ``torch.nn.functional``, ``Tensor.__contains__``) runs with the function mode paused, so it is
 counted by the dispatch mode under its aten name (a ``tolist``/``numpy`` there goes unseen);
-``torch.compile``d code under the modes runs as torch decides for an active dispatch mode.
+``torch.compile``d code under the modes runs as torch decides for an active dispatch mode;
+explicit waits (``torch.cuda.synchronize()``, ``Event.synchronize()``) are not counted by reasoning.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ class HostSyncs:
     def _enter_cuda(self) -> None:
         catcher = warnings.catch_warnings()  # restores the filters and showwarning on exit
         catcher.__enter__()
-        warnings.filterwarnings("always", message=_SYNC_WARNING)  # every one, not once per line
+        warnings.filterwarnings("always", message=".*" + _SYNC_WARNING)  # every one, not once per line
         previous_show = warnings.showwarning
 
         def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
