@@ -249,13 +249,15 @@ def test_bf16_true_compensated_adamw_reads_only_its_host_side_step_counters():
     assert per_step == [[STEP_COUNTER_READ] * 4] * 3  # one per parameter tensor, all on the host by design
 
 
-@pytest.mark.parametrize("optimizer, expected", [
-    ("fused", [LAST_STEP_READ]),
-    ("foreach", [FOUND_INF_READ]),  # the step's own read already told: not read twice
+@pytest.mark.parametrize("precision, optimizer, expected", [
+    ("fp16", "fused", [LAST_STEP_READ]),
+    ("fp16", "foreach", [FOUND_INF_READ]),  # the step's own read already told: not read twice
+    ("bf16", "fused", []),  # no scaler: every step is applied
+    ("bf16-true", "fused", []),
 ])
-def test_fp16_scheduler_reads_whether_the_step_was_applied_once(optimizer, expected):
+def test_scheduler_reads_whether_the_fp16_step_was_applied_once(precision, optimizer, expected):
     # A skipped step must not advance the schedule, and the schedule is a Python object.
-    assert _step_syncs("fp16", optimizer, scheduler=True) == [expected] * 3
+    assert _step_syncs(precision, optimizer, scheduler=True) == [expected] * 3
 
 
 @pytest.mark.parametrize("scheduler", [False, True], ids=["", "scheduler"])
