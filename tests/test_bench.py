@@ -7,13 +7,19 @@ import importlib.util
 import io
 import json
 import math
+import sys
+import types
 import warnings
 
 import pytest
+import torch
 
 import mixprec.bench as bench
 from mixprec.bench import BenchConfig, run_bench
+from mixprec.bench.config import _build_job
+from mixprec.bench.runners import _TorchLoopRunner
 from mixprec.cli import main
+from mixprec.cli.bench import format_table
 from mixprec.hardware import detect_capability
 from mixprec.precision import PrecisionPerformanceWarning
 
@@ -113,10 +119,11 @@ def test_bad_precision_name_is_an_error_that_lists_the_valid_names(capsys):
         BenchConfig(precisions=("fp8",))
 
 
-def test_compare_with_an_unknown_name_is_an_error(capsys):
+def test_compare_with_an_unknown_name_is_an_error_listing_all_four(capsys):
     assert main(["bench", "--compare", "hf,deepspeed", "--out", "/nonexistent/never-written"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("mixprec bench: error: ") and "deepspeed" in err and "hf, accelerate" in err
+    assert err.startswith("mixprec bench: error: ") and "deepspeed" in err
+    assert "torch, trainer, hf, accelerate" in err
     with pytest.raises(ValueError, match="unknown compare name"):
         BenchConfig(compare=("torchtitan",))
 
@@ -180,3 +187,104 @@ def test_hugging_face_runs_train_the_same_model_on_the_same_data_as_mixprec():
         # Same init, same data order, same optimizer: the same losses, give or take bf16 rounding.
         assert rows[name]["train_loss"] == pytest.approx(ours["train_loss"], rel=1e-3)
         assert rows[name]["throughput_vs_mixprec"] > 0
+
+
+def test_the_torch_loop_and_mixprecs_trainer_train_the_same_model_on_the_same_data_as_the_accelerator():
+    result = run_bench(BenchConfig(precisions=("fp32",), compare=("torch", "trainer"), **TINY_CONFIG))
+    rows = result["results"]
+    ours, loop, trainer = rows["fp32"], rows["torch-loop fp32"], rows["mixprec-trainer fp32"]
+    for row in (loop, trainer):
+        assert row["status"] == "ok", row.get("reason")
+        assert row["runner"] in ("torch-loop", "mixprec-trainer") and row["precision"] == "fp32"
+        assert len(row["step_times_s"]) == 2 * 2
+        # Same init, same data order, same fused AdamW, all in fp32: the same numbers, to rounding.
+        assert row["train_loss"] == pytest.approx(ours["train_loss"], rel=1e-5)
+        assert row["eval_loss"] == pytest.approx(ours["eval_loss"], rel=1e-5)
+        assert row["flops_per_step"] == ours["flops_per_step"]
+        assert row["throughput_vs_mixprec"] > 0
+    # Each row's throughput over the hand-written loop's, where torch was compared; not the loop's own.
+    assert ours["throughput_vs_torch_loop"] > 0 and trainer["throughput_vs_torch_loop"] > 0
+    assert "throughput_vs_torch_loop" not in loop
+    assert "vs torch loop" in format_table(result)
+
+
+def test_the_torch_loop_uses_torchs_own_grad_scaler_for_fp16_and_a_bf16_cast_model_for_bf16_true():
+    config = BenchConfig(**TINY_CONFIG)
+    job = _build_job(config)
+    fp16 = _TorchLoopRunner(job, "fp16-mixed", config, torch.device("cpu"), [])
+    fp16.run_chunk(2)
+    assert isinstance(fp16.scaler, torch.amp.GradScaler) and fp16.scaler.get_scale() > 0
+    assert all(p.dtype == torch.float32 for p in fp16.model.parameters())
+    true = _TorchLoopRunner(job, "bf16-true", config, torch.device("cpu"), [])
+    true.run_chunk(2)
+    assert true.scaler is None and all(p.dtype == torch.bfloat16 for p in true.model.parameters())
+    assert type(true.opt) is torch.optim.AdamW  # no compensation: what torch alone offers
+    assert all(math.isfinite(float(loss)) for loss in fp16.losses + true.losses)
+
+
+def test_bf16_true_gives_a_row_per_compensation_named_after_the_first():
+    result = run_bench(BenchConfig(precisions=("bf16-true",), bf16_true_compensation=("kahan", "stochastic", "none"),
+                                   bf16_true_state_dtype="bf16", compare=("trainer",), **TINY_CONFIG))
+    rows = result["results"]
+    assert list(rows) == ["bf16-true", "bf16-true (stochastic)", "bf16-true (none)", "mixprec-trainer bf16-true"]
+    for name, comp in (("bf16-true", "kahan"), ("bf16-true (stochastic)", "stochastic"), ("bf16-true (none)", "none")):
+        row = rows[name]
+        assert row["status"] == "ok", row.get("reason")
+        assert (row["precision"], row["compensation"], row["state_dtype"]) == ("bf16-true", comp, "bf16")
+    assert "kahan" in rows["bf16-true"]["optimizer"] and "stochastic" in rows["bf16-true (stochastic)"]["optimizer"]
+    # The compared Trainer's twin is the first row; it says it cannot take the bf16 moments.
+    assert rows["mixprec-trainer bf16-true"]["throughput_vs_mixprec"] > 0
+    assert any("TrainingArguments has no compensation option" in n for n in result["notes"])
+
+
+def test_bf16_true_options_are_checked_and_the_errors_list_the_valid_values(capsys):
+    with pytest.raises(ValueError, match="kahan, stochastic, none"):
+        BenchConfig(bf16_true_compensation=("kahan", "fp8-rounding"))
+    with pytest.raises(ValueError, match="name at least one"):
+        BenchConfig(bf16_true_compensation=())
+    with pytest.raises(ValueError, match="'fp32' or 'bf16'"):
+        BenchConfig(bf16_true_state_dtype="fp16")
+    assert BenchConfig(bf16_true_compensation="none").bf16_true_compensation == ("none",)
+    assert main(["bench", "--bf16-true-compensation", "kahan,exact", "--out", "/nonexistent/never-written"]) == 2
+    assert "kahan, stochastic, none" in capsys.readouterr().err
+
+
+def test_the_cpu_memory_probe_builds_the_rows_bf16_true_variant(monkeypatch):
+    built = []
+    real = bench.memory._mixprec_runner
+
+    def spy(job, precision, config, device, compensation=None):
+        runner = real(job, precision, config, device, compensation)
+        built.append((precision, compensation, runner))
+        return runner
+
+    def in_process(cmd, input, **kwargs):  # the fresh process's work, run here
+        monkeypatch.setattr(sys, "stdin", io.StringIO(input))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            bench.memory._memory_probe_main()
+        return types.SimpleNamespace(stdout=out.getvalue(), stderr="")
+
+    monkeypatch.setattr(bench.memory, "_mixprec_runner", spy)
+    monkeypatch.setattr(bench.memory.subprocess, "run", in_process)
+    config = BenchConfig(precisions=("bf16-true",), bf16_true_state_dtype="bf16", memory_steps=1,
+                         **{**TINY_CONFIG, "memory": True})
+    tensors, _, _ = bench.memory._cpu_peak_memory(config, {"precision": "bf16-true", "compensation": "stochastic"})
+    assert tensors is None or tensors > 0
+    ((precision, compensation, runner),) = built
+    assert (precision, compensation) == ("bf16-true", "stochastic")
+    assert "stochastic" in runner.optimizer
+    state = next(iter(runner.opt.optimizer.state.values()))
+    assert state["exp_avg"].dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_compile_builds_every_contestant_compiled_and_they_still_train_alike():
+    result = run_bench(BenchConfig(precisions=("bf16-mixed",), compare=("torch", "trainer"), compile=True,
+                                   **{**TINY_CONFIG, "rounds": 1}))
+    rows = result["results"]
+    assert result["config"]["compile"] is True
+    for name in ("bf16-mixed", "torch-loop bf16-mixed", "mixprec-trainer bf16-mixed"):
+        assert rows[name]["status"] == "ok", rows[name].get("reason")
+        assert rows[name]["train_loss"] == pytest.approx(rows["bf16-mixed"]["train_loss"], rel=1e-2)
+    assert any("compiled alike" in n for n in result["notes"])

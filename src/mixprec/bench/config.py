@@ -14,7 +14,10 @@ from ..precision import canonical_precision
 __all__ = ["BenchConfig", "DEFAULT_PRECISIONS", "COMPARE_NAMES"]
 
 DEFAULT_PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16-true")
-COMPARE_NAMES = ("hf", "accelerate")
+COMPARE_NAMES = ("torch", "trainer", "hf", "accelerate")
+_COMPARE_MEANING = ("torch: the hand-written torch.autocast loop, trainer: mixprec's Trainer, hf: the Hugging Face "
+                    "Trainer, accelerate: Hugging Face Accelerate")
+BF16_TRUE_COMPENSATIONS = ("kahan", "stochastic", "none")
 _TASKS = ("pycode", "digits")
 
 
@@ -36,7 +39,16 @@ class BenchConfig:
         lr: AdamW's learning rate (constant, no weight decay).
         seed: the init and data-order seed, the same for every precision.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ``None`` picks CUDA, then MPS, then the CPU.
-        compare: ``"hf"`` (Hugging Face Trainer) and/or ``"accelerate"`` (Hugging Face Accelerate).
+        compare: contestants besides mixprec's Accelerator, each at one precision the others share:
+            ``"torch"`` (the hand-written loop: ``torch.autocast``, ``GradScaler`` for fp16, the model
+            cast to bf16 for bf16-true), ``"trainer"`` (mixprec's Trainer), ``"hf"`` (the Hugging
+            Face Trainer), ``"accelerate"`` (Hugging Face Accelerate).
+        bf16_true_compensation: bf16-true's optimizer updates, one row each (``"kahan"``,
+            ``"stochastic"``, ``"none"``); the first is the row ``bf16-true``, the others
+            ``bf16-true (none)``... Ignored without bf16-true among the precisions.
+        bf16_true_state_dtype: bf16-true's optimizer moments, ``"fp32"`` or ``"bf16"``.
+        compile: build every contestant compiled (``Accelerator(compile=True)``, the Trainers'
+            ``torch_compile=True``, ``torch.compile(model)``); the warm-up absorbs the compilation.
         eval_batches: batches of the eval set's start that the eval loss averages over.
         memory: measure peak memory (on the CPU this starts one fresh process per precision).
         memory_steps: steps the CPU memory measurement trains.
@@ -63,6 +75,9 @@ class BenchConfig:
     seed: int = 0
     device: str | None = None
     compare: tuple[str, ...] = ()
+    bf16_true_compensation: tuple[str, ...] = ("kahan", "none")
+    bf16_true_state_dtype: str = "fp32"
+    compile: bool = False
     eval_batches: int = 4
     memory: bool = True
     memory_steps: int = 3
@@ -102,8 +117,22 @@ class BenchConfig:
         for c in compare:
             if c not in COMPARE_NAMES:
                 raise ValueError(f"unknown compare name {c!r}; choose from {', '.join(COMPARE_NAMES)} "
-                                 "(hf: the Hugging Face Trainer, accelerate: Hugging Face Accelerate)")
+                                 f"({_COMPARE_MEANING})")
         object.__setattr__(self, "compare", tuple(dict.fromkeys(compare)))
+        comps = (self.bf16_true_compensation,) if isinstance(self.bf16_true_compensation, str) else tuple(
+            self.bf16_true_compensation)
+        if not comps:
+            raise ValueError(f"bf16_true_compensation is empty; name at least one of {', '.join(BF16_TRUE_COMPENSATIONS)}")
+        for c in comps:
+            if c not in BF16_TRUE_COMPENSATIONS:
+                raise ValueError(f"unknown bf16-true compensation {c!r}; choose from "
+                                 f"{', '.join(BF16_TRUE_COMPENSATIONS)} (one bf16-true row each)")
+        object.__setattr__(self, "bf16_true_compensation", tuple(dict.fromkeys(comps)))
+        if self.bf16_true_state_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"bf16_true_state_dtype must be 'fp32' or 'bf16' (the optimizer moments' dtype), "
+                             f"got {self.bf16_true_state_dtype!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if self.device is not None:
             try:
                 torch.device(self.device)

@@ -22,13 +22,13 @@ from .config import BenchConfig, _build_job, _Job, _loss_of, _tokens_per_sample
 from .measure import _dtype_name, _matmul_peak, _profile_step
 from .memory import _measure_memory
 from .runners import (
-    _HF_FACTORIES,
-    _HF_RUNNERS,
+    _RIVAL_FACTORIES,
+    _RIVALS,
     _compare_precision,
     _hf_missing,
-    _LoopRunner,
     _mixprec_runner,
     _reset_hf_state,
+    _Runner,
     _TrainerRunner,
 )
 
@@ -38,14 +38,16 @@ _LAST_LOSSES = 5  # training losses averaged into the final loss
 
 
 # -- the run ------------------------------------------------------------------------------------
-def _eval_loss(model: torch.nn.Module, batches: list[Any], device: torch.device) -> float:
+def _eval_loss(model: torch.nn.Module, batches: list[Any], device: torch.device,
+               float_dtype: torch.dtype | None = None) -> float:
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for batch in batches:
             n = len(next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0])
-            total += float(_loss_of(call_model(model, send_to_device(batch, device), model)).float()) * n
+            batch = send_to_device(batch, device, float_dtype=float_dtype)
+            total += float(_loss_of(call_model(model, batch, model)).float()) * n
             count += n
     model.train(was_training)
     return total / max(count, 1)
@@ -78,7 +80,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     Returns:
         ``{"machine", "config", "task", "baseline", "matmul_size", "matmul_peak_tflops",
         "memory_method", "results", "notes", "profile"}``; ``results`` maps a row name (a
-        precision, or ``"hf-trainer bf16-mixed"``...) to its numbers.
+        precision, ``"bf16-true (none)"`` for a further bf16-true update, or a compared
+        contestant's ``"torch-loop bf16-mixed"``, ``"hf-trainer bf16-mixed"``...) to its numbers.
 
     Example:
         >>> out = run_bench(BenchConfig(size="tiny", precisions=["fp32"], steps=2, rounds=1, memory=False))
@@ -97,20 +100,21 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     runners: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # said once, in the notes
-        for p in config.precisions:
-            rows[p] = {"runner": "mixprec", "precision": p}
-            _start(rows[p], runners, p, lambda p=p: _mixprec_runner(job, p, config, device), device, config)
-        hf_precision = _compare_precision(config.precisions)
+        for name, row in _mixprec_rows(config):
+            rows[name] = row
+            _start(row, runners, name, lambda row=row: _mixprec_runner(job, row["precision"], config, device,
+                                                                       row.get("compensation")), device, config)
         for c in config.compare:
-            name = f"{_HF_RUNNERS[c]} {hf_precision}"
-            rows[name] = {"runner": _HF_RUNNERS[c], "precision": hf_precision}
+            precision = _compare_precision(config.precisions, c)
+            name = f"{_RIVALS[c]} {precision}"
+            rows[name] = {"runner": _RIVALS[c], "precision": precision}
             if _hf_missing(c):
                 _skip(rows[name], _hf_missing(c))
                 continue
-            _start(rows[name], runners, name, lambda c=c: _HF_FACTORIES[c](job, hf_precision, config, device, notes),
-                   device, config)
+            _start(rows[name], runners, name,
+                   lambda c=c, p=precision: _RIVAL_FACTORIES[c](job, p, config, device, notes), device, config)
         size = config.matmul_size or (2048 if device.type == "cpu" else 4096)
-        dtypes = sorted({torch.float32} | {_COMPUTE_DTYPE[p] for p in config.precisions}, key=str)
+        dtypes = sorted({torch.float32} | {_COMPUTE_DTYPE[r["precision"]] for r in rows.values()}, key=str)
         try:
             profiles, round_peaks = _run_rounds(rows, runners, job, config, device,
                                                 lambda: _matmul_peak(device, dtypes, size))
@@ -133,10 +137,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     notes += [f"{n} trains with {r['optimizer']}: the Accelerator's replacement for the fused torch AdamW"
               for n, r in rows.items() if r.get("status") == "ok" and r["runner"] == "mixprec"
               and r["optimizer"] != "torch.optim.AdamW (fused)"]
-    if any(r["runner"] != "mixprec" and r.get("status") == "ok" for r in rows.values()):
-        notes.append("Hugging Face rows: same init, data order and optimizer as mixprec's; their FLOPs per step "
-                     "are mixprec's count for the same job, their memory is not measured; vs mixprec is their "
-                     "throughput over mixprec.Accelerator's at the same precision")
+    notes += _compare_notes(rows, config)
     model = next(iter(runners.values())).model if runners else job.build_model()
     return {
         "machine": _machine(device),
@@ -152,6 +153,38 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         "notes": list(dict.fromkeys(notes)),
         "profile": profiles,
     }
+
+
+def _mixprec_rows(config: BenchConfig) -> list[tuple[str, dict[str, Any]]]:
+    """mixprec.Accelerator's rows: one per precision, and one per bf16-true compensation."""
+    rows = []
+    for p in config.precisions:
+        if p != "bf16-true":
+            rows.append((p, {"runner": "mixprec", "precision": p}))
+            continue
+        for i, comp in enumerate(config.bf16_true_compensation):
+            rows.append((p if i == 0 else f"{p} ({comp})", {"runner": "mixprec", "precision": p, "compensation": comp,
+                                                           "state_dtype": config.bf16_true_state_dtype}))
+    return rows
+
+
+def _compare_notes(rows: dict[str, dict[str, Any]], config: BenchConfig) -> list[str]:
+    ok = {n: r for n, r in rows.items() if r.get("status") == "ok" and r["runner"] != "mixprec"}
+    if not ok:
+        return []
+    notes = [f"compared rows ({', '.join(ok)}): same init, data order (the bench's dataloader) and fused AdamW as "
+             "mixprec's" + (", compiled alike" if config.compile else "") + "; their memory is not measured; "
+             "vs mixprec: their throughput over mixprec.Accelerator's at the same precision"
+             + ("; vs torch loop: each row's throughput over the hand-written torch loop's at the same precision"
+                if any("throughput_vs_torch_loop" in r for r in rows.values()) else "")]
+    if any(r["runner"] == "hf-trainer" for r in ok.values()):
+        notes.append("hf-trainer's FLOPs per step are mixprec's count for the same job (its train() is not stepped)")
+    torch_row = next((r for r in ok.values() if r["runner"] == "torch-loop"), None)
+    if torch_row is not None and torch_row["precision"] == "bf16-true":
+        twin = rows.get("bf16-true", {})
+        notes.append("torch-loop bf16-true: the model cast to bf16 and torch's fused AdamW, uncompensated; its vs "
+                     f"mixprec is against the bf16-true row ({twin.get('compensation')} compensation)")
+    return notes
 
 
 _COMPUTE_DTYPE = {"fp32": torch.float32, "fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,
@@ -171,7 +204,7 @@ def _start(row: dict[str, Any], runners: dict[str, Any], name: str, build: Calla
     runner = None
     try:
         runner = build()
-        if isinstance(runner, _LoopRunner):  # the Trainer warms up in its own run (_run_rounds)
+        if isinstance(runner, _Runner):  # Hugging Face's Trainer warms up in its own run (_run_rounds)
             row["flops_per_step"] = runner.count_flops()
             runner.run_chunk(config.warmup)
     except Exception as exc:  # e.g. resolve_precision's ValueError for a precision the device lacks
@@ -195,7 +228,7 @@ def _run_rounds(rows: dict[str, dict[str, Any]], runners: dict[str, Any], job: _
 
     def play_round(r: int) -> None:
         for name, runner in list(runners.items()):
-            if isinstance(runner, _LoopRunner):
+            if isinstance(runner, _Runner):
                 try:
                     runner.run_chunk(config.steps)
                 except Exception as exc:  # one contestant failing must not lose the others' numbers
@@ -215,7 +248,7 @@ def _run_rounds(rows: dict[str, dict[str, Any]], runners: dict[str, Any], job: _
         play_round(r)
     eval_set = job.eval_batches(config)
     for name, runner in runners.items():
-        rows[name]["eval_loss"] = _eval_loss(runner.model, eval_set, device)
+        rows[name]["eval_loss"] = _eval_loss(runner.model, eval_set, device, getattr(runner, "input_dtype", None))
     profiles = {n: _profile_step(r, device) for n, r in runners.items()
                 if config.profile and rows[n]["runner"] == "mixprec"}
     return profiles, peaks
@@ -248,6 +281,7 @@ def _round_ratio(base: dict[str, Any], row: dict[str, Any]) -> float:
 
 def _add_ratios(rows: dict[str, dict[str, Any]], baseline: str | None) -> None:
     base = rows.get(baseline, {}) if baseline else {}
+    loop = next((r for r in rows.values() if r["runner"] == "torch-loop" and r.get("status") == "ok"), None)
     for row in rows.values():
         if row.get("status") != "ok":
             continue
@@ -261,6 +295,8 @@ def _add_ratios(rows: dict[str, dict[str, Any]], baseline: str | None) -> None:
         twin = rows.get(row["precision"], {})
         if row["runner"] != "mixprec" and twin.get("status") == "ok":
             row["throughput_vs_mixprec"] = _round_ratio(twin, row)
+        if loop is not None and row is not loop and row["precision"] == loop["precision"]:
+            row["throughput_vs_torch_loop"] = _round_ratio(loop, row)
 
 
 def _drift_note(rows: dict[str, dict[str, Any]], tolerance: float = 1.25) -> list[str]:

@@ -1,4 +1,4 @@
-"""Peak memory per precision on the CPU: a fresh process per precision builds and trains it, and
+"""Peak memory per mixprec row on the CPU: a fresh process per row builds and trains it, and
 reports the peak of live tensor memory and the peak RSS growth."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _memory_probe_main() -> None:
     if base is None:  # the peak so far is a floor: the growth is then a lower bound
         base, method = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit, "ru_maxrss, a lower bound"
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        runner = _mixprec_runner(job, request["precision"], config, torch.device("cpu"))
+        runner = _mixprec_runner(job, request["precision"], config, torch.device("cpu"), request["compensation"])
         runner.run_chunk(config.memory_steps)
     peak = _proc_status_bytes("VmHWM") if method == "VmHWM" else None
     peak = peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
@@ -74,10 +74,11 @@ def _memory_probe_main() -> None:
                       "method": method}))
 
 
-def _cpu_peak_memory(config: BenchConfig, precision: str) -> tuple[int | None, int | None, str]:
-    """``(tensor bytes, RSS bytes, how)`` from :func:`_memory_probe_main` in a fresh process;
-    ``(None, None, why)`` if it failed."""
-    request = json.dumps({"config": dataclasses.asdict(config), "precision": precision})
+def _cpu_peak_memory(config: BenchConfig, row: dict[str, Any]) -> tuple[int | None, int | None, str]:
+    """``(tensor bytes, RSS bytes, how)`` of the row's variant (precision, bf16-true compensation)
+    from :func:`_memory_probe_main` in a fresh process; ``(None, None, why)`` if it failed."""
+    request = json.dumps({"config": dataclasses.asdict(config), "precision": row["precision"],
+                          "compensation": row.get("compensation")})
     # The same imports as here (a user's factory module found through sys.path included).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     code = "from mixprec.bench import _memory_probe_main; _memory_probe_main()"
@@ -97,7 +98,7 @@ def _cpu_peak_memory(config: BenchConfig, precision: str) -> tuple[int | None, i
 
 def _measure_memory(rows: dict[str, dict[str, Any]], runners: dict[str, Any], config: BenchConfig,
                     device: torch.device) -> str:
-    """Peak memory per precision on the CPU (CUDA's was taken in :func:`_start`); says how."""
+    """Peak memory per mixprec row on the CPU (CUDA's was taken in :func:`_start`); says how."""
     if not config.memory:
         return ""
     if device.type != "cpu":
@@ -105,14 +106,14 @@ def _measure_memory(rows: dict[str, dict[str, Any]], runners: dict[str, Any], co
     names = [n for n in runners if rows[n]["runner"] == "mixprec"]
     # Two at a time: each process's peak is its own, and the start-up (importing torch) overlaps.
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        measured = list(pool.map(lambda n: _cpu_peak_memory(config, n), names))
+        measured = list(pool.map(lambda n: _cpu_peak_memory(config, rows[n]), names))
     how = set()
     for name, (tensors, rss, method) in zip(names, measured):
         rows[name]["peak_memory_bytes"] = tensors
         rows[name]["peak_rss_bytes"] = rss
         how.add(method)
     return ("peak MiB: the most tensor memory alive at once (torch.profiler's allocation events) in a fresh "
-            f"process per precision that builds the model and optimizer and trains {config.memory_steps} steps, "
+            f"process per row that builds the model and optimizer and trains {config.memory_steps} steps, "
             "as torch.cuda.max_memory_allocated counts on a GPU; RSS MiB: that process's peak resident-memory "
             f"growth over the same span (from {', '.join(sorted(how))}), which adds torch's one-time set-up "
             "(kernels, thread pools, the allocator's cache)")

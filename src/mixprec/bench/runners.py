@@ -1,5 +1,6 @@
 """The contestants of ``mixprec bench``: the training loop through :class:`~mixprec.Accelerator`,
-and the same job through Hugging Face Accelerate and the Hugging Face Trainer."""
+the hand-written torch loop, mixprec's Trainer, and the same job through Hugging Face Accelerate
+and the Hugging Face Trainer."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import importlib.util
 import sys
 import tempfile
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,20 +18,55 @@ import torch
 from torch.utils import flop_counter
 
 from ..accelerator import Accelerator
+from ..data import send_to_device
 from ..trainer.outputs import call_model
 from .config import BenchConfig, _Job, _loss_of
 from .measure import _CPU_SDPA_FLOPS, _Clock
 
 
 # -- one contestant: a training loop we can run a chunk of steps at a time ----------------------
-class _LoopRunner:
-    """The user's loop through an Accelerator (ours, or Hugging Face's: the API is the same)."""
+class _Runner:
+    """A contestant that trains a chunk of steps at a time; ``step()`` is one optimizer step."""
 
-    def __init__(self, acc: Any, model: torch.nn.Module, opt: Any, dl: Any, device: torch.device) -> None:
-        self.acc, self.model, self.opt, self.dl, self.device = acc, model, opt, dl, device
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model, self.device = model, device
         self.times: list[float] = []
         self.losses: list[torch.Tensor] = []
         self.optimizer = ""  # what kind, for the report
+        self.input_dtype: torch.dtype | None = None  # what floating inputs are cast to (bf16-true by hand)
+
+    def step(self, flops: flop_counter.FlopCounterMode | None = None) -> torch.Tensor:
+        """One optimizer step, its forward and backward under ``flops``; returns the detached loss."""
+        raise NotImplementedError
+
+    def run_chunk(self, n: int) -> None:
+        clock = _Clock(self.device)
+        clock.mark()
+        for _ in range(n):
+            self.losses.append(self.step())
+            clock.mark()
+        self.times += clock.intervals()
+
+    def count_flops(self) -> int:
+        """One training step with its forward and backward FLOPs counted (a real step, untimed)."""
+        counter = flop_counter.FlopCounterMode(display=False, custom_mapping=_CPU_SDPA_FLOPS)
+        with warnings.catch_warnings():
+            # The counter's module hooks are global; a compiled model warns they fire twice. The
+            # count is unaffected (it counts operators, not hook calls).
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+            self.step(counter)
+        return int(counter.get_total_flops())
+
+    def finish(self) -> None:
+        pass
+
+
+class _LoopRunner(_Runner):
+    """The user's loop through an Accelerator (ours, or Hugging Face's: the API is the same)."""
+
+    def __init__(self, acc: Any, model: torch.nn.Module, opt: Any, dl: Any, device: torch.device) -> None:
+        super().__init__(model, device)
+        self.acc, self.opt, self.dl = acc, opt, dl
         self._it = iter(dl)
 
     def _next(self) -> Any:
@@ -48,23 +85,6 @@ class _LoopRunner:
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    def run_chunk(self, n: int) -> None:
-        clock = _Clock(self.device)
-        clock.mark()
-        for _ in range(n):
-            self.losses.append(self.step())
-            clock.mark()
-        self.times += clock.intervals()
-
-    def count_flops(self) -> int:
-        """One training step with its forward and backward FLOPs counted (a real step, untimed)."""
-        counter = flop_counter.FlopCounterMode(display=False, custom_mapping=_CPU_SDPA_FLOPS)
-        self.step(counter)
-        return int(counter.get_total_flops())
-
-    def finish(self) -> None:
-        pass
-
 
 def _adamw(params: Any, lr: float) -> torch.optim.Optimizer:
     try:
@@ -73,8 +93,12 @@ def _adamw(params: Any, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=True)
 
 
-def _mixprec_runner(job: _Job, precision: str, config: BenchConfig, device: torch.device) -> _LoopRunner:
-    acc = Accelerator(mixed_precision=precision, cpu=device.type == "cpu")
+def _mixprec_runner(job: _Job, precision: str, config: BenchConfig, device: torch.device,
+                    compensation: str | None = None) -> _LoopRunner:
+    """The Accelerator's loop; ``compensation`` picks bf16-true's update (default: the config's first)."""
+    acc = Accelerator(mixed_precision=precision, cpu=device.type == "cpu", compile=config.compile,
+                      bf16_true_compensation=compensation or config.bf16_true_compensation[0],
+                      bf16_true_state_dtype=config.bf16_true_state_dtype)
     torch.manual_seed(config.seed)
     model = acc.prepare_model(job.build_model())
     # Built after prepare_model, so it sees the parameters in their final dtype (bf16-true).
@@ -93,19 +117,117 @@ def _describe(opt: torch.optim.Optimizer) -> str:
         f" ({', '.join(how)})" if how else "")
 
 
+# -- without mixprec's Accelerator: the hand-written loop, and mixprec's Trainer ----------------
+_AUTOCAST_DTYPES = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+
+class _TorchLoopRunner(_LoopRunner):
+    """The loop a user writes with torch alone: ``torch.autocast`` (plus ``torch.amp.GradScaler``
+    for fp16), or for bf16-true the model cast to bf16 and torch's AdamW, uncompensated."""
+
+    def __init__(self, job: _Job, precision: str, config: BenchConfig, device: torch.device,
+                 notes: list[str]) -> None:
+        torch.manual_seed(config.seed)
+        model = job.build_model().to(device)
+        if precision == "bf16-true":
+            model = model.to(torch.bfloat16)
+        opt = _adamw(list(model.parameters()), config.lr)
+        super().__init__(None, torch.compile(model) if config.compile else model, opt, job.train_loader(config),
+                         device)
+        self._dtype = _AUTOCAST_DTYPES.get(precision)
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
+        self.input_dtype = torch.bfloat16 if precision == "bf16-true" else None
+        self.optimizer = _describe(opt)
+
+    def step(self, flops: flop_counter.FlopCounterMode | None = None) -> torch.Tensor:
+        batch = send_to_device(self._next(), self.device, float_dtype=self.input_dtype)
+        autocast = torch.autocast(self.device.type, dtype=self._dtype) if self._dtype else contextlib.nullcontext()
+        with flops if flops is not None else contextlib.nullcontext():
+            with autocast:
+                loss = _loss_of(call_model(self.model, batch, self.model))
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+class _MixprecTrainerRunner(_Runner):
+    """mixprec's :class:`~mixprec.Trainer`, stepped through its loop's generator
+    (``Trainer._training_steps``), on the bench's dataloader (prepared by its own Accelerator)."""
+
+    def __init__(self, job: _Job, precision: str, config: BenchConfig, device: torch.device,
+                 notes: list[str]) -> None:
+        from ..trainer import Trainer, TrainingArguments
+
+        self._dir = tempfile.TemporaryDirectory(prefix="mixprec-bench-trainer-")
+        which = {"bf16-mixed": {"bf16": True}, "fp16-mixed": {"fp16": True}, "bf16-true": {"precision": precision}}
+        args = TrainingArguments(
+            output_dir=self._dir.name, **which.get(precision, {}), use_cpu=device.type == "cpu",
+            optim="adamw_torch_fused", learning_rate=config.lr, weight_decay=0.0, lr_scheduler_type="constant",
+            max_grad_norm=0.0, per_device_train_batch_size=config.batch_size, max_steps=_steps_to_train(config),
+            logging_steps=10**9, save_strategy="no", report_to="none", disable_tqdm=True,
+            remove_unused_columns=False, seed=config.seed, torch_compile=config.compile)
+        if precision == "bf16-true" and (config.bf16_true_compensation[0], config.bf16_true_state_dtype) != (
+                "kahan", "fp32"):
+            notes.append("mixprec-trainer bf16-true trains with the Trainer's bf16-true (Kahan compensation, fp32 "
+                         "moments): TrainingArguments has no compensation option")
+        loader, runner = job.train_loader(config), self
+
+        class BenchTrainer(Trainer):
+            # The bench's loader: the Trainer's own draws the same order (seeded alike) but keeps
+            # a last partial batch; this way every contestant trains exactly the same batches.
+            def get_train_dataloader(self) -> Any:
+                return self.accelerator.prepare_data_loader(loader)
+
+            def training_step(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+                runner._loss = super().training_step(model, inputs)
+                return runner._loss
+
+        torch.manual_seed(config.seed)
+        self.trainer = BenchTrainer(model=job.build_model(), args=args, train_dataset=job.train,
+                                    data_collator=job.collate_fn)
+        super().__init__(self.trainer.model_wrapped, device)
+        self._loss = torch.zeros(())
+        self._steps = self.trainer._training_steps()
+
+    def step(self, flops: flop_counter.FlopCounterMode | None = None) -> torch.Tensor:
+        with flops if flops is not None else contextlib.nullcontext():
+            if next(self._steps, None) is None:
+                raise RuntimeError(f"the Trainer ended at its max_steps={self.trainer.args.max_steps}")
+        if not self.optimizer:  # the Trainer makes it when its loop starts
+            self.optimizer = _describe(self.trainer.optimizer.optimizer)
+        return self._loss
+
+    def finish(self) -> None:
+        self._steps.close()
+        self._dir.cleanup()
+
+
+def _steps_to_train(config: BenchConfig) -> int:
+    """Every contestant's steps: the one that counts FLOPs, the warm-up, the rounds."""
+    return 1 + config.warmup + config.rounds * config.steps
+
+
 # -- Hugging Face, for comparison ------------------------------------------------------------------
-_HF_RUNNERS = {"hf": "hf-trainer", "accelerate": "accelerate"}
 _HF_PRECISIONS = ("bf16-mixed", "fp16-mixed", "fp32")  # what Hugging Face offers too, by preference
 _ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16"}
 
 
-def _compare_precision(precisions: tuple[str, ...]) -> str:
-    """bf16-mixed where benchmarked (Hugging Face's ``bf16=True``), else the first benchmarked
-    precision Hugging Face offers too; bf16-mixed when none is (bf16-true has no HF equivalent)."""
-    return next((p for p in _HF_PRECISIONS if p in precisions), "bf16-mixed")
+def _compare_precision(precisions: tuple[str, ...], name: str = "hf") -> str:
+    """The precision contestant ``name`` runs at: bf16-mixed where benchmarked (Hugging Face's
+    ``bf16=True``), else the first benchmarked one it offers too (bf16-true last, and only for the
+    torch loop and mixprec's Trainer: Hugging Face has none); bf16-mixed when none is."""
+    offered = _HF_PRECISIONS + (("bf16-true",) if name in ("torch", "trainer") else ())
+    return next((p for p in offered if p in precisions), "bf16-mixed")
 
 
 def _hf_missing(name: str) -> str:
+    if name not in ("hf", "accelerate"):
+        return ""
     needed = ("transformers", "accelerate") if name == "hf" else ("accelerate",)
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     return f"{' and '.join(missing)} not installed (pip install {' '.join(missing)})" if missing else ""
@@ -115,7 +237,8 @@ def _accelerate_runner(job: _Job, precision: str, config: BenchConfig, device: t
                        notes: list[str]) -> _LoopRunner:
     import accelerate
 
-    acc = accelerate.Accelerator(mixed_precision=_ACCELERATE_NAMES[precision], cpu=device.type == "cpu")
+    acc = accelerate.Accelerator(mixed_precision=_ACCELERATE_NAMES[precision], cpu=device.type == "cpu",
+                                 dynamo_backend="inductor" if config.compile else None)
     if precision == "fp16-mixed" and not getattr(acc, "native_amp", True):
         notes.append(f"Hugging Face Accelerate runs fp16-mixed on {device.type} as fp32 (no autocast, no scaler)")
     torch.manual_seed(config.seed)
@@ -152,8 +275,8 @@ class _TrainerRunner:
             output_dir=self._dir.name, bf16=precision == "bf16-mixed", fp16=precision == "fp16-mixed",
             use_cpu=device.type == "cpu", optim="adamw_torch_fused", learning_rate=config.lr, weight_decay=0.0,
             lr_scheduler_type="constant", max_grad_norm=0.0, per_device_train_batch_size=config.batch_size,
-            max_steps=1 + config.warmup + config.rounds * config.steps, logging_strategy="no", save_strategy="no",
-            report_to="none", disable_tqdm=True, remove_unused_columns=False, seed=config.seed)
+            max_steps=_steps_to_train(config), logging_strategy="no", save_strategy="no", report_to="none",
+            disable_tqdm=True, remove_unused_columns=False, seed=config.seed, torch_compile=config.compile)
         loader, runner = job.train_loader(config), self
 
         class Trainer(transformers.Trainer):
@@ -209,7 +332,10 @@ class _TrainerRunner:
         self._dir.cleanup()
 
 
-_HF_FACTORIES = {"hf": _TrainerRunner, "accelerate": _accelerate_runner}
+# Each --compare name: its row's label, and what builds it (job, precision, config, device, notes).
+_RIVALS = {"torch": "torch-loop", "trainer": "mixprec-trainer", "hf": "hf-trainer", "accelerate": "accelerate"}
+_RIVAL_FACTORIES = {"torch": _TorchLoopRunner, "trainer": _MixprecTrainerRunner, "hf": _TrainerRunner,
+                    "accelerate": _accelerate_runner}
 
 
 def _reset_hf_state() -> None:

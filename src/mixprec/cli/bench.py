@@ -22,7 +22,8 @@ __all__ = ["register", "run", "format_table", "plot_result", "write_json"]
 _EPILOG = """Examples:
   mixprec bench --size tiny --steps 5 --rounds 2
   mixprec bench --task pycode --size small --steps 10 --rounds 3 --out /tmp/bench-small
-  mixprec bench --precisions fp32,bf16-mixed --compare hf,accelerate --profile
+  mixprec bench --precisions fp32,bf16-mixed --compare torch,trainer,hf,accelerate --profile
+  mixprec bench --precisions bf16-mixed,bf16-true --bf16-true-compensation kahan,stochastic,none --compile
   PYTHONPATH=. mixprec bench --model mymod:build_model --data mymod:build_data
 
 Each precision trains its own model (same initial weights, same data order) through
@@ -53,8 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per precision first (default 2)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step (default 8)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: CUDA, then MPS, then CPU)")
-    p.add_argument("--compare", default="", metavar="hf,accelerate",
-                   help="also run the job through the Hugging Face Trainer (hf) and/or Accelerate (accelerate)")
+    p.add_argument("--compare", default="", metavar="torch,trainer,hf,accelerate",
+                   help="also run the job as a hand-written torch.autocast loop (torch), through mixprec's Trainer "
+                   "(trainer), the Hugging Face Trainer (hf) and/or Accelerate (accelerate)")
+    p.add_argument("--bf16-true-compensation", default="kahan,none", metavar="kahan,none",
+                   help="bf16-true's optimizer updates, a row each: kahan, stochastic, none (default kahan,none)")
+    p.add_argument("--bf16-true-state-dtype", default="fp32", help="bf16-true's optimizer moments: fp32 (default) or bf16")
+    p.add_argument("--compile", action="store_true", help="compile every contestant (the warm-up absorbs it)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--matmul-size", type=int, default=None, help="side of the peak-measuring matmul")
     p.add_argument("--profile", action="store_true", help="print the top operators of one step per precision")
@@ -71,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
         config = BenchConfig(task=args.task, size=args.size, arch=args.arch, model=args.model, data=args.data,
                              precisions=_split(args.precisions), steps=args.steps, rounds=args.rounds,
                              warmup=args.warmup, batch_size=args.batch_size, device=args.device,
-                             compare=_split(args.compare), memory=not args.no_memory,
+                             compare=_split(args.compare), bf16_true_compensation=_split(args.bf16_true_compensation),
+                             bf16_true_state_dtype=args.bf16_true_state_dtype, compile=args.compile,
+                             memory=not args.no_memory,
                              matmul_size=args.matmul_size, profile=args.profile)
         result = run_bench(config)
     except ValueError as exc:
@@ -101,6 +109,10 @@ def _command(config: BenchConfig, out: Path) -> str:
               str(config.rounds), "--warmup", str(config.warmup), "--batch-size", str(config.batch_size)]
     words += (["--device", config.device] if config.device else []) + (
         ["--compare", ",".join(config.compare)] if config.compare else [])
+    if "bf16-true" in config.precisions:
+        words += ["--bf16-true-compensation", ",".join(config.bf16_true_compensation)] + (
+            ["--bf16-true-state-dtype", config.bf16_true_state_dtype] if config.bf16_true_state_dtype != "fp32" else [])
+    words += ["--compile"] if config.compile else []
     words += (["--no-memory"] if not config.memory else []) + (
         ["--matmul-size", str(config.matmul_size)] if config.matmul_size else [])
     return shlex.join(words + (["--profile"] if config.profile else []) + ["--out", str(out)])
@@ -133,10 +145,11 @@ def format_table(result: dict[str, Any]) -> str:
         "",
     ]
     vs_mixprec = any(r["runner"] != "mixprec" for r in rows.values())
+    vs_loop = any(r.get("throughput_vs_torch_loop") is not None for r in rows.values())
     rss = any(r.get("peak_rss_bytes") is not None for r in rows.values())
     header = ["precision", "step ms", "samples/s", "tokens/s", "speed-up", "peak MiB"] + (["RSS MiB"] if rss else []) \
         + ["TFLOP/s", "% of peak", f"train loss (vs {base})", f"eval loss (vs {base})"] \
-        + (["vs mixprec"] if vs_mixprec else [])
+        + (["vs mixprec"] if vs_mixprec else []) + (["vs torch loop"] if vs_loop else [])
     left_aligned = {0, header.index(f"train loss (vs {base})"), header.index(f"eval loss (vs {base})")}
     table = [header]
     skipped = []
@@ -150,7 +163,8 @@ def format_table(result: dict[str, Any]) -> str:
                       _num(r["tokens_per_s"], ",.0f"), _num(r["speedup"], ".2f", "x"), *mib, _num(r["tflops"], ".3f"),
                       _num(r["fraction_of_peak"] * 100 if r["fraction_of_peak"] else None, ".1f", "%"),
                       _loss(r, "train_loss"), _loss(r, "eval_loss")]
-                     + ([_num(r.get("throughput_vs_mixprec"), ".2f", "x")] if vs_mixprec else []))
+                     + ([_num(r.get("throughput_vs_mixprec"), ".2f", "x")] if vs_mixprec else [])
+                     + ([_num(r.get("throughput_vs_torch_loop"), ".2f", "x")] if vs_loop else []))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         lines.append("  ".join(c.ljust(w) if i in left_aligned else c.rjust(w)
@@ -199,7 +213,7 @@ def plot_result(result: dict[str, Any], path: Path) -> None:
     left.set_xlabel("precision")
     left.set_ylabel("speed-up (x, higher is faster)")
     if any(ok[n]["runner"] != "mixprec" for n in names):
-        left.legend(handles=[Patch(color=_BLUE, label="mixprec.Accelerator"), Patch(color=_ORANGE, label="Hugging Face")],
+        left.legend(handles=[Patch(color=_BLUE, label="mixprec.Accelerator"), Patch(color=_ORANGE, label="compared")],
                     loc="upper left", fontsize="small")
     mem_names = [n for n in names if ok[n].get("peak_memory_bytes") is not None]
     mem = [ok[n]["peak_memory_bytes"] / 2**20 for n in mem_names]
