@@ -150,6 +150,20 @@ def test_precision_the_device_cannot_run_is_reported_as_skipped_with_the_reason(
         assert any(n.startswith("fp16-mixed is emulated here") for n in result["notes"])
 
 
+def test_by_default_precisions_the_device_runs_impractically_slowly_are_left_out_with_a_note(monkeypatch):
+    import dataclasses as dc
+
+    real = detect_capability("cpu")
+    slow = {p: f"{p} crawls here" for p in ("fp16-mixed", "bf16-mixed", "bf16-true")}
+    monkeypatch.setattr(bench.core, "detect_capability", lambda device=None: dc.replace(real, impractical=slow))
+    result = run_bench(BenchConfig(**TINY_CONFIG))
+    assert list(result["results"]) == ["fp32"] and list(result["config"]["precisions"]) == ["fp32"]
+    assert "fp16-mixed left out: fp16-mixed crawls here (name it in --precisions to run it anyway)" in result["notes"]
+    named = run_bench(BenchConfig(precisions=("fp32", "bf16"), **TINY_CONFIG))  # asked for: run
+    assert named["results"]["bf16-mixed"]["status"] == "ok"
+    assert not any("left out" in n for n in named["notes"])
+
+
 def test_a_users_task_from_factories_runs_and_counts_its_tokens():
     result = run_bench(BenchConfig(model="toys:TinyLM", data="toys:LMData", precisions=("fp32", "bf16"),
                                    steps=2, rounds=1, warmup=0, batch_size=8, matmul_size=128, memory=False,

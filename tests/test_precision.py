@@ -161,6 +161,17 @@ def test_cpu_without_bf16_instructions_reports_emulated(monkeypatch):
     assert choose_auto(c)[0] == "fp32"
 
 
+def test_cpu_without_any_fp16_matrix_kernel_calls_fp16_impractical_but_avx512_fp16_only_emulated(monkeypatch):
+    flags = {f: False for f in hardware._CPU_FLAGS}
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: flags)
+    bare = hardware._cpu_capability()
+    assert "40-200x slower than fp32" in bare.impractical["fp16-mixed"] and "use bf16-mixed" in bare.reasons["fp16-mixed"]
+    flags["avx512_fp16"] = True
+    fp16_vectors = hardware._cpu_capability()
+    assert fp16_vectors.support["fp16-mixed"] == "emulated" and not fp16_vectors.impractical
+    assert "no faster than fp32" in fp16_vectors.reasons["fp16-mixed"]
+
+
 def test_cpu_flags_match_torch_report_where_it_exists():
     if not hasattr(torch.cpu, "get_capabilities"):
         pytest.skip("torch has no CPU capability report")

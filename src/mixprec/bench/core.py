@@ -18,7 +18,7 @@ from ..data import send_to_device
 from ..hardware import default_device, detect_capability
 from ..precision import PrecisionPerformanceWarning
 from ..trainer.outputs import call_model
-from .config import BenchConfig, _build_job, _Job, _loss_of, _tokens_per_sample
+from .config import DEFAULT_PRECISIONS, BenchConfig, _build_job, _Job, _loss_of, _tokens_per_sample
 from .measure import _dtype_name, _matmul_peak, _profile_step
 from .memory import _measure_memory
 from .runners import (
@@ -90,12 +90,18 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     """
     device = _resolve_device(config.device)
     cap = detect_capability(device)
+    left_out = []
+    if config.precisions is None:
+        left_out = [f"{p} left out: {cap.impractical[p]} (name it in --precisions to run it anyway)"
+                    for p in DEFAULT_PRECISIONS if p in cap.impractical]
+        config = dataclasses.replace(config, precisions=tuple(p for p in DEFAULT_PRECISIONS
+                                                              if p not in cap.impractical))
     try:
         job = _build_job(config)
     except (ImportError, AttributeError, TypeError) as exc:  # load_factory's, naming the spec and the fix
         raise ValueError(f"cannot build the task: {exc}") from exc
-    notes = [f"{p} is emulated here: {cap.reasons[p]}" for p in config.precisions
-             if cap.support.get(p) == "emulated" and p in cap.reasons]
+    notes = left_out + [f"{p} is emulated here: {cap.reasons[p]}" for p in config.precisions
+                        if cap.support.get(p) == "emulated" and p in cap.reasons]
     rows: dict[str, dict[str, Any]] = {}
     runners: dict[str, Any] = {}
     with warnings.catch_warnings():

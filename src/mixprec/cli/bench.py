@@ -47,8 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arch", default="mlp", help="digits' model: mlp (default) or cnn")
     p.add_argument("--model", metavar="MODULE:FACTORY", help="your model factory (forward returns .loss)")
     p.add_argument("--data", metavar="MODULE:FACTORY", help="your data factory: a dataset or (train, eval)")
-    p.add_argument("--precisions", default=",".join(DEFAULT_PRECISIONS),
-                   help=f"comma-separated precisions (default {','.join(DEFAULT_PRECISIONS)})")
+    p.add_argument("--precisions", default=None,
+                   help=f"comma-separated precisions (default: {','.join(DEFAULT_PRECISIONS)}, less those this "
+                   "device runs impractically slowly, e.g. fp16-mixed on a CPU without an fp16 matrix kernel)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per precision in each round (default 20)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of interleaving (default 3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per precision first (default 2)")
@@ -75,7 +76,7 @@ def _split(text: str) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     try:
         config = BenchConfig(task=args.task, size=args.size, arch=args.arch, model=args.model, data=args.data,
-                             precisions=_split(args.precisions), steps=args.steps, rounds=args.rounds,
+                             precisions=_split(args.precisions) if args.precisions is not None else None, steps=args.steps, rounds=args.rounds,
                              warmup=args.warmup, batch_size=args.batch_size, device=args.device,
                              compare=_split(args.compare), bf16_true_compensation=_split(args.bf16_true_compensation),
                              bf16_true_state_dtype=args.bf16_true_state_dtype, compile=args.compile,
@@ -105,11 +106,12 @@ def _command(config: BenchConfig, out: Path) -> str:
     else:
         words += ["--task", config.task] + (["--size", config.size] if config.size else []) + (
             ["--arch", config.arch] if config.task == "digits" else [])
-    words += ["--precisions", ",".join(config.precisions), "--steps", str(config.steps), "--rounds",
+    words += (["--precisions", ",".join(config.precisions)] if config.precisions else []) + [
+        "--steps", str(config.steps), "--rounds",
               str(config.rounds), "--warmup", str(config.warmup), "--batch-size", str(config.batch_size)]
     words += (["--device", config.device] if config.device else []) + (
         ["--compare", ",".join(config.compare)] if config.compare else [])
-    if "bf16-true" in config.precisions:
+    if "bf16-true" in (config.precisions or DEFAULT_PRECISIONS):
         words += ["--bf16-true-compensation", ",".join(config.bf16_true_compensation)] + (
             ["--bf16-true-state-dtype", config.bf16_true_state_dtype] if config.bf16_true_state_dtype != "fp32" else [])
     words += ["--compile"] if config.compile else []
