@@ -1,7 +1,8 @@
 """What the compensated update buys bf16-true: validation loss after a fixed number of steps.
 
 The same GPT, data order and AdamW hyperparameters in fp32, in bf16-mixed, and in bf16-true with
-the plain (uncompensated) update, Kahan compensation and stochastic rounding, all through
+the plain (uncompensated) update, Kahan compensation and stochastic rounding (with fp32 moments,
+and with bf16 moments, which halve the optimizer state), all through
 mixprec.Accelerator in one invocation (each run interleaved by chunks of steps). Prints the
 validation loss of each against fp32's and the mean step time against fp32's.
 
@@ -21,9 +22,13 @@ from mixprec.tasks.pycode import load_pycode_bytes
 
 from _common import GPT_MINI, GPT_SMALL, gpt_job, interleave, timed_steps
 
-VARIANTS = {"fp32": ("fp32", "none"), "bf16-mixed": ("bf16-mixed", "none"),
-            "bf16-true, plain update": ("bf16-true", "none"), "bf16-true, Kahan": ("bf16-true", "kahan"),
-            "bf16-true, stochastic rounding": ("bf16-true", "stochastic")}
+# name: (precision, compensation, dtype of the compensated optimizer's moments)
+VARIANTS = {"fp32": ("fp32", "none", "fp32"), "bf16-mixed": ("bf16-mixed", "none", "fp32"),
+            "bf16-true, plain update": ("bf16-true", "none", "fp32"),
+            "bf16-true, Kahan": ("bf16-true", "kahan", "fp32"),
+            "bf16-true, stochastic rounding": ("bf16-true", "stochastic", "fp32"),
+            "bf16-true, Kahan, bf16 moments": ("bf16-true", "kahan", "bf16"),
+            "bf16-true, stochastic, bf16 moments": ("bf16-true", "stochastic", "bf16")}
 
 
 def main():
@@ -37,8 +42,9 @@ def main():
     factory, data = gpt_job(config, max_bytes=2_000_000)
     val = ByteBlockDataset(load_pycode_bytes("validation", max_bytes=60_000), config.block_size)
     runs, accs = {}, {}
-    for name, (precision, compensation) in VARIANTS.items():
-        acc = Accelerator(mixed_precision=precision, cpu=True, bf16_true_compensation=compensation)
+    for name, (precision, compensation, moments) in VARIANTS.items():
+        acc = Accelerator(mixed_precision=precision, cpu=True, bf16_true_compensation=compensation,
+                          bf16_true_state_dtype=moments)
         torch.manual_seed(0)
         model = factory()
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -65,9 +71,9 @@ def main():
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     print(f"GPT {config.n_layer}x{config.n_embd}, batch 8, AdamW lr {args.lr}, {args.steps} steps per variant, "
           f"{torch.get_num_threads()} threads")
-    print(f"  {'variant':<32} {'val loss':>9} {'vs fp32':>8} {'bits/byte':>9} {'ms/step':>8} {'speed-up':>8}")
+    print(f"  {'variant':<36} {'val loss':>9} {'vs fp32':>8} {'bits/byte':>9} {'ms/step':>8} {'speed-up':>8}")
     for name in VARIANTS:
-        print(f"  {name:<32} {losses[name]:>9.4f} {losses[name] / losses['fp32'] - 1:>+8.2%} "
+        print(f"  {name:<36} {losses[name]:>9.4f} {losses[name] / losses['fp32'] - 1:>+8.2%} "
               f"{losses[name] / math.log(2):>9.3f} {mean[name] * 1e3:>8.1f} {mean['fp32'] / mean[name]:>7.2f}x")
 
 

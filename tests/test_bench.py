@@ -73,6 +73,13 @@ def test_bench_json_holds_the_machine_the_command_and_finite_positive_numbers(be
     assert result["results"]["fp32"]["flops_per_step"] == result["results"]["bf16-mixed"]["flops_per_step"]
 
 
+def test_each_row_counts_the_host_syncs_of_one_step_and_fused_adamw_steps_need_none(bench_run):
+    code, stdout, out = bench_run
+    assert "syncs" in stdout
+    result = json.loads((out / "bench.json").read_text())
+    assert [r["host_syncs_per_step"] for r in result["results"].values()] == [0, 0]
+
+
 def test_bench_png_is_a_valid_image_matplotlib_can_read(bench_run):
     _, _, out = bench_run
     data = (out / "bench.png").read_bytes()

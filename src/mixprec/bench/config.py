@@ -192,8 +192,9 @@ def _build_job(config: BenchConfig) -> _Job:
     elif config.task == "pycode":
         size = config.size or "mini"
         block = PYCODE_SIZES[size].block_size
-        # Read only the text the run trains on (an epoch then covers it), instead of 4 MB.
-        steps = 2 + config.warmup + config.rounds * config.steps + config.memory_steps
+        # Read only the text the run trains on (an epoch then covers it: the FLOP- and sync-counting
+        # steps, the warm-up, the rounds, the profiled step), instead of 4 MB.
+        steps = 3 + config.warmup + config.rounds * config.steps + config.memory_steps
         task = get_task("pycode", size, max_bytes=min(4_000_000, max(steps, 8) * config.batch_size * block + block),
                         eval_max_bytes=(config.eval_batches * config.batch_size + 1) * block)
         job = _Job(name=task.name, build_model=task.build_model, train=task.train_dataset, eval=task.eval_dataset,

@@ -213,6 +213,7 @@ def _start(row: dict[str, Any], runners: dict[str, Any], name: str, build: Calla
         if isinstance(runner, _Runner):  # Hugging Face's Trainer warms up in its own run (_run_rounds)
             row["flops_per_step"] = runner.count_flops()
             runner.run_chunk(config.warmup)
+            row["host_syncs_per_step"] = runner.count_syncs()  # after the warm-up: steady state
     except Exception as exc:  # e.g. resolve_precision's ValueError for a precision the device lacks
         _skip(row, f"{type(exc).__name__}: {exc}")
         if runner is not None:

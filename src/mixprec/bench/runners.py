@@ -22,6 +22,7 @@ from ..data import send_to_device
 from ..trainer.outputs import call_model
 from .config import BenchConfig, _Job, _loss_of
 from .measure import _CPU_SDPA_FLOPS, _Clock
+from .syncs import count_host_syncs, host_side_tensors
 
 
 # -- one contestant: a training loop we can run a chunk of steps at a time ----------------------
@@ -47,6 +48,17 @@ class _Runner:
             clock.mark()
         self.times += clock.intervals()
 
+    def count_syncs(self) -> int:
+        """Host-device syncs in one training step (a real step, untimed), as
+        :func:`~mixprec.bench.syncs.count_host_syncs` counts them; the optimizer's host-side step
+        counters are not device reads."""
+        with count_host_syncs(self.device, ignore=host_side_tensors(self._optimizer())) as syncs:
+            self.step()
+        return syncs.count
+
+    def _optimizer(self) -> Any:
+        raise NotImplementedError
+
     def count_flops(self) -> int:
         """One training step with its forward and backward FLOPs counted (a real step, untimed)."""
         counter = flop_counter.FlopCounterMode(display=False, custom_mapping=_CPU_SDPA_FLOPS)
@@ -68,6 +80,9 @@ class _LoopRunner(_Runner):
         super().__init__(model, device)
         self.acc, self.opt, self.dl = acc, opt, dl
         self._it = iter(dl)
+
+    def _optimizer(self) -> Any:
+        return self.opt
 
     def _next(self) -> Any:
         try:
@@ -202,14 +217,22 @@ class _MixprecTrainerRunner(_Runner):
             self.optimizer = _describe(self.trainer.optimizer.optimizer)
         return self._loss
 
+    def _optimizer(self) -> Any:
+        return self.trainer.optimizer
+
     def finish(self) -> None:
         self._steps.close()
         self._dir.cleanup()
 
 
+# Untimed steps besides the warm-up: one counts the FLOPs, one the host syncs (the Hugging Face
+# Trainer, which cannot be stepped alone, trains as many before its rounds: the same batches).
+_COUNTING_STEPS = 2
+
+
 def _steps_to_train(config: BenchConfig) -> int:
-    """Every contestant's steps: the one that counts FLOPs, the warm-up, the rounds."""
-    return 1 + config.warmup + config.rounds * config.steps
+    """Every contestant's steps: the counting ones, the warm-up, the rounds."""
+    return _COUNTING_STEPS + config.warmup + config.rounds * config.steps
 
 
 # -- Hugging Face, for comparison ------------------------------------------------------------------
@@ -324,7 +347,7 @@ class _TrainerRunner:
             self.times.clear()
             self.losses.clear()
 
-        self._chunks = [(1 + config.warmup, warmed_up)] + [
+        self._chunks = [(_COUNTING_STEPS + config.warmup, warmed_up)] + [
             (config.steps, lambda r=r: play_round(r)) for r in range(config.rounds)]
         self.trainer.train()
 

@@ -150,7 +150,7 @@ def format_table(result: dict[str, Any]) -> str:
     vs_loop = any(r.get("throughput_vs_torch_loop") is not None for r in rows.values())
     rss = any(r.get("peak_rss_bytes") is not None for r in rows.values())
     header = ["precision", "step ms", "samples/s", "tokens/s", "speed-up", "peak MiB"] + (["RSS MiB"] if rss else []) \
-        + ["TFLOP/s", "% of peak", f"train loss (vs {base})", f"eval loss (vs {base})"] \
+        + ["TFLOP/s", "% of peak", "syncs", f"train loss (vs {base})", f"eval loss (vs {base})"] \
         + (["vs mixprec"] if vs_mixprec else []) + (["vs torch loop"] if vs_loop else [])
     left_aligned = {0, header.index(f"train loss (vs {base})"), header.index(f"eval loss (vs {base})")}
     table = [header]
@@ -164,7 +164,7 @@ def format_table(result: dict[str, Any]) -> str:
         table.append([name, _num(r["step_time_s"] * 1e3, ".1f"), _num(r["samples_per_s"], ".2f"),
                       _num(r["tokens_per_s"], ",.0f"), _num(r["speedup"], ".2f", "x"), *mib, _num(r["tflops"], ".3f"),
                       _num(r["fraction_of_peak"] * 100 if r["fraction_of_peak"] else None, ".1f", "%"),
-                      _loss(r, "train_loss"), _loss(r, "eval_loss")]
+                      _num(r.get("host_syncs_per_step"), "d"), _loss(r, "train_loss"), _loss(r, "eval_loss")]
                      + ([_num(r.get("throughput_vs_mixprec"), ".2f", "x")] if vs_mixprec else [])
                      + ([_num(r.get("throughput_vs_torch_loop"), ".2f", "x")] if vs_loop else []))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -176,7 +176,8 @@ def format_table(result: dict[str, Any]) -> str:
         notes.append(f"peak memory: {result['memory_method']}")
     notes.append(f"speed-up: throughput over {base}'s, the median over rounds of each round's ratio; TFLOP/s: "
                  "forward+backward FLOPs / median step time; % of peak: of the compute dtype's matmul peak "
-                 "measured after the same round (median over rounds)")
+                 "measured after the same round (median over rounds); syncs: host-device syncs in one step "
+                 "(mixprec.bench.count_host_syncs: on the CPU, the reads that would wait for an accelerator)")
     return "\n".join(lines + ([""] + [f"note: {n}" for n in notes] if notes else []))
 
 
