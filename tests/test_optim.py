@@ -12,6 +12,7 @@ import contextlib
 import copy
 import functools
 import io
+import warnings
 import weakref
 
 import pytest
@@ -420,6 +421,28 @@ def test_auto_mode_compiles_only_large_cpu_buckets(monkeypatch):
     fp32 = [nn.Parameter(torch.randn(2000)) for _ in range(2)]
     _run(None, steps=1, params=fp32, opt=AdamW(fp32, fused=None))  # fp32 weights: torch's update, never fused
     assert len(calls) == 3
+
+
+def test_under_a_sync_or_flop_counting_mode_the_fused_update_gives_way_to_foreach_and_stays_available():
+    from mixprec.bench import count_host_syncs
+
+    def three_steps(fused):
+        params = _params()
+        opt = AdamW(params, lr=1e-3, weight_decay=0.1, fused=fused, generator=torch.Generator().manual_seed(0))
+        counts = []
+        for seed in (2, 3, 4):  # the middle step under the counter
+            counter = count_host_syncs("cpu", ignore=[s["step"] for s in opt.state.values()])
+            with counter if seed == 3 else contextlib.nullcontext():
+                _run(fused, steps=1, params=params, opt=opt, seed=seed)
+            counts += [counter.count] if seed == 3 else []
+        return params, counts
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "compiling failed, using the foreach update" warning
+        fused, counts = three_steps(True)
+    foreach, _ = three_steps(False)
+    assert _fused_adamw.available() and counts == [0]
+    assert all(torch.equal(p, q) for p, q in zip(fused, foreach))  # fp32 moments: bit for bit
 
 
 def test_a_failed_compile_falls_back_with_a_warning_or_raises_when_fused_was_asked_for(monkeypatch):

@@ -247,6 +247,13 @@ class AdamW(_CompensatedOptimizer):
             halves the state but ``v * beta2`` with ``beta2`` near 1 rounds back to ``v`` there.
         generator: random bits for ``"stochastic"``, on the parameters' device (saved in the
             state dict); ``None`` uses torch's default generator.
+        fused: the update of bf16/fp16 weights as one compiled kernel per parameter
+            (:mod:`mixprec._fused_adamw`: weight, gradient, moments and compensation read and
+            written once) instead of ``torch._foreach_*`` ops. ``None`` (default) picks it on the
+            CPU for buckets of at least 4M elements and falls back, with a warning, if compiling
+            fails; ``True`` forces it (a failure to compile raises); ``False`` never. Under
+            ``torch.compile`` or a Python torch-function/dispatch mode (a FLOP or sync counter)
+            the foreach update runs: the same update, op by op.
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
@@ -269,6 +276,10 @@ class AdamW(_CompensatedOptimizer):
 
     def _use_fused(self, params: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> bool:
         if self.fused is False or dtype not in _LOW or torch.compiler.is_compiling():
+            return False
+        if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+            # Under a Python torch-function or dispatch mode (a FLOP or sync counter, a tracer) the
+            # compiled kernel cannot run: the foreach update computes the same, op by op.
             return False
         if not all(p.is_contiguous() for p in params):
             if self.fused:
