@@ -253,6 +253,7 @@ def test_bf16_true_gives_a_row_per_compensation_named_after_the_first():
         assert row["status"] == "ok", row.get("reason")
         assert (row["precision"], row["compensation"], row["state_dtype"]) == ("bf16-true", comp, "bf16")
     assert "kahan" in rows["bf16-true"]["optimizer"] and "stochastic" in rows["bf16-true (stochastic)"]["optimizer"]
+    assert "bf16 moments" in rows["bf16-true"]["optimizer"]
     # The compared Trainer's twin is the first row; it says it cannot take the bf16 moments.
     assert rows["mixprec-trainer bf16-true"]["throughput_vs_mixprec"] > 0
     assert any("TrainingArguments has no compensation option" in n for n in result["notes"])

@@ -127,7 +127,8 @@ def _mixprec_runner(job: _Job, precision: str, config: BenchConfig, device: torc
 def _describe(opt: torch.optim.Optimizer) -> str:
     kind = type(opt)
     how = [k for k in ("fused", "foreach") if opt.defaults.get(k)] + (
-        [f"{opt.defaults['compensation']} compensation"] if "compensation" in opt.defaults else [])
+        [f"{opt.defaults['compensation']} compensation"] if "compensation" in opt.defaults else []) + (
+        ["bf16 moments"] if opt.defaults.get("state_dtype") == torch.bfloat16 else [])
     return f"{kind.__module__.replace('torch.optim.adamw', 'torch.optim')}.{kind.__name__}" + (
         f" ({', '.join(how)})" if how else "")
 
