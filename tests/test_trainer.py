@@ -146,10 +146,26 @@ def test_early_stopping_stops(tmp_path):
     (dict(per_device_train_batch_size=0), "per_device_train_batch_size must be"),
     (dict(warmup_ratio=1.5), "warmup_ratio"),
     (dict(report_to="wandb"), "report_to"),
+    (dict(bf16_true_compensation="kahn"), "'kahan', 'stochastic', 'none'"),
+    (dict(bf16_true_state_dtype="fp16"), "'fp32', 'bf16'"),
 ])
 def test_contradictions_and_bad_values_raise_errors_that_say_the_fix(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainingArguments(output_dir=str(tmp_path), **kwargs)
+
+
+def test_bf16_true_trains_with_the_compensation_and_moments_the_arguments_name(tmp_path):
+    torch.manual_seed(0)
+    trainer = Trainer(model=Classifier(), args=args(tmp_path, precision="bf16-true", num_train_epochs=1,
+                                                   bf16_true_compensation="stochastic", bf16_true_state_dtype="bf16"),
+                      train_dataset=blobs(256))
+    trainer.train()
+    opt = trainer.optimizer.optimizer
+    assert type(opt).__module__ == "mixprec.optim" and opt.defaults["compensation"] == "stochastic"
+    state = next(s for p, s in opt.state.items() if p.dtype == torch.bfloat16)
+    assert state["exp_avg"].dtype == torch.bfloat16
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    assert len(losses) >= 2 and losses[-1] < losses[0]  # it learns
 
 
 def test_a_best_metric_that_evaluation_never_produces_fails_at_the_first_evaluation(tmp_path):

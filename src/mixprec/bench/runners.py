@@ -186,11 +186,8 @@ class _MixprecTrainerRunner(_Runner):
             optim="adamw_torch_fused", learning_rate=config.lr, weight_decay=0.0, lr_scheduler_type="constant",
             max_grad_norm=0.0, per_device_train_batch_size=config.batch_size, max_steps=_steps_to_train(config),
             logging_steps=10**9, save_strategy="no", report_to="none", disable_tqdm=True,
-            remove_unused_columns=False, seed=config.seed, torch_compile=config.compile)
-        if precision == "bf16-true" and (config.bf16_true_compensation[0], config.bf16_true_state_dtype) != (
-                "kahan", "fp32"):
-            notes.append("mixprec-trainer bf16-true trains with the Trainer's bf16-true (Kahan compensation, fp32 "
-                         "moments): TrainingArguments has no compensation option")
+            remove_unused_columns=False, seed=config.seed, torch_compile=config.compile,
+            bf16_true_compensation=config.bf16_true_compensation[0], bf16_true_state_dtype=config.bf16_true_state_dtype)
         loader, runner = job.train_loader(config), self
 
         class BenchTrainer(Trainer):

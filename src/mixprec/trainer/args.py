@@ -36,7 +36,10 @@ class TrainingArguments:
     diagnostics: ``diagnostics_steps`` (gradient statistics every N steps, logged), ``trace_overflow``
     (name the first overflowing module), ``drift_steps`` (every N steps the batch's loss in fp32
     beside the mixed one); ``on_loss_scale_collapse="fallback"`` switches a collapsing fp16 run to
-    bf16-mixed (or fp32) instead of raising. The old spelling
+    bf16-mixed (or fp32) instead of raising. With ``precision="bf16-true"``,
+    ``bf16_true_compensation`` (``"kahan"``, ``"stochastic"``, ``"none"``) and
+    ``bf16_true_state_dtype`` (``"fp32"``, ``"bf16"``: the moments, half the optimizer memory) are
+    the Accelerator's arguments of the same names. The old spelling
     ``evaluation_strategy`` is accepted with a ``FutureWarning``. The object is frozen: use
     :meth:`replace` for a changed copy (validated again).
 
@@ -91,6 +94,8 @@ class TrainingArguments:
     precision: str | None = None
     loss_scaler: dict[str, Any] | None = field(default=None)
     on_loss_scale_collapse: str = "raise"
+    bf16_true_compensation: str = "kahan"
+    bf16_true_state_dtype: str = "fp32"
     diagnostics_steps: int = 0
     trace_overflow: bool = False
     drift_steps: int = 0
@@ -108,6 +113,8 @@ class TrainingArguments:
             _one_of(name, getattr(self, name), _STRATEGIES)
         _one_of("optim", self.optim, _OPTIMIZERS)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
+        _one_of("bf16_true_compensation", self.bf16_true_compensation, ("kahan", "stochastic", "none"))
+        _one_of("bf16_true_state_dtype", self.bf16_true_state_dtype, ("fp32", "bf16"))
         for name in ("diagnostics_steps", "drift_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -89,7 +89,8 @@ class Trainer:
         self.accelerator = Accelerator(
             mixed_precision=a.resolved_precision, gradient_accumulation_steps=a.gradient_accumulation_steps,
             cpu=a.use_cpu, loss_scaler=a.loss_scaler, on_loss_scale_collapse=a.on_loss_scale_collapse,
-            compile=a.torch_compile,
+            compile=a.torch_compile, bf16_true_compensation=a.bf16_true_compensation,
+            bf16_true_state_dtype=a.bf16_true_state_dtype,
             diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps, trace_overflow=a.trace_overflow,
                                           drift_every=a.drift_steps))
         self.model = model
