@@ -24,7 +24,7 @@ from .bf16_true import cast_for_bf16_true
 from .data import PreparedDataLoader
 from .diagnostics.monitor import DiagnosticsConfig, Monitor
 from .hardware import default_device
-from .optim import compensated_for_bf16
+from .optim import COMPENSATIONS, STATE_DTYPE_NAMES, compensated_for_bf16
 from .precision import PrecisionPolicy, resolve_precision
 from .scaler import LossScaler
 from .state import load_accelerator_state, save_accelerator_state
@@ -32,7 +32,6 @@ from .wrappers import AcceleratedOptimizer, AcceleratedScheduler, patch_forward,
 
 __all__ = ["Accelerator"]
 
-_STATE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 _ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
 _SUPPORTED = "torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.utils.data.DataLoader"
 
@@ -104,10 +103,10 @@ class Accelerator:
         if not isinstance(compile, (bool, dict)):
             raise TypeError(f"compile must be True/False or a dict of torch.compile arguments, got {type(compile).__name__}")
         self.compile = compile
-        if bf16_true_compensation not in ("kahan", "stochastic", "none"):
+        if bf16_true_compensation not in COMPENSATIONS:
             raise ValueError(f"bf16_true_compensation must be 'kahan', 'stochastic' or 'none', got {bf16_true_compensation!r}")
         self.bf16_true_compensation = bf16_true_compensation
-        self.bf16_true_state_dtype = _STATE_DTYPES.get(bf16_true_state_dtype, bf16_true_state_dtype)
+        self.bf16_true_state_dtype = STATE_DTYPE_NAMES.get(bf16_true_state_dtype, bf16_true_state_dtype)
         if self.bf16_true_state_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"bf16_true_state_dtype must be torch.float32 or torch.bfloat16 ('fp32' or 'bf16'), "
                              f"got {bf16_true_state_dtype!r}")

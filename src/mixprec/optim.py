@@ -42,9 +42,12 @@ import torch
 
 from . import _fused_adamw
 
-__all__ = ["AdamW", "SGD", "make_bf16_optimizer", "bf16_stochastic_round", "COMPENSATIONS", "OPTIMIZER_NAMES"]
+__all__ = ["AdamW", "SGD", "make_bf16_optimizer", "bf16_stochastic_round", "COMPENSATIONS", "OPTIMIZER_NAMES",
+           "STATE_DTYPE_NAMES"]
 
 COMPENSATIONS = ("kahan", "stochastic", "none")
+# The moments' dtypes by the names configs use (Accelerator, TrainingArguments, mixprec bench).
+STATE_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 OPTIMIZER_NAMES = ("adamw", "sgd")
 _LOW = (torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ..optim import COMPENSATIONS, STATE_DTYPE_NAMES
 from ..precision import canonical_precision
 
 __all__ = ["BenchConfig", "DEFAULT_PRECISIONS", "COMPARE_NAMES"]
@@ -17,7 +18,6 @@ DEFAULT_PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16-true")
 COMPARE_NAMES = ("torch", "trainer", "hf", "accelerate")
 _COMPARE_MEANING = ("torch: the hand-written torch.autocast loop, trainer: mixprec's Trainer, hf: the Hugging Face "
                     "Trainer, accelerate: Hugging Face Accelerate")
-BF16_TRUE_COMPENSATIONS = ("kahan", "stochastic", "none")
 _TASKS = ("pycode", "digits")
 
 
@@ -118,13 +118,13 @@ class BenchConfig:
         comps = (self.bf16_true_compensation,) if isinstance(self.bf16_true_compensation, str) else tuple(
             self.bf16_true_compensation)
         if not comps:
-            raise ValueError(f"bf16_true_compensation is empty; name at least one of {', '.join(BF16_TRUE_COMPENSATIONS)}")
+            raise ValueError(f"bf16_true_compensation is empty; name at least one of {', '.join(COMPENSATIONS)}")
         for c in comps:
-            if c not in BF16_TRUE_COMPENSATIONS:
+            if c not in COMPENSATIONS:
                 raise ValueError(f"unknown bf16-true compensation {c!r}; choose from "
-                                 f"{', '.join(BF16_TRUE_COMPENSATIONS)} (one bf16-true row each)")
+                                 f"{', '.join(COMPENSATIONS)} (one bf16-true row each)")
         object.__setattr__(self, "bf16_true_compensation", tuple(dict.fromkeys(comps)))
-        if self.bf16_true_state_dtype not in ("fp32", "bf16"):
+        if self.bf16_true_state_dtype not in STATE_DTYPE_NAMES:
             raise ValueError(f"bf16_true_state_dtype must be 'fp32' or 'bf16' (the optimizer moments' dtype), "
                              f"got {self.bf16_true_state_dtype!r}")
         if not isinstance(self.compile, bool):

@@ -11,6 +11,7 @@ from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..optim import COMPENSATIONS, STATE_DTYPE_NAMES
 from ..precision import canonical_precision
 
 __all__ = ["TrainingArguments"]
@@ -113,8 +114,8 @@ class TrainingArguments:
             _one_of(name, getattr(self, name), _STRATEGIES)
         _one_of("optim", self.optim, _OPTIMIZERS)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
-        _one_of("bf16_true_compensation", self.bf16_true_compensation, ("kahan", "stochastic", "none"))
-        _one_of("bf16_true_state_dtype", self.bf16_true_state_dtype, ("fp32", "bf16"))
+        _one_of("bf16_true_compensation", self.bf16_true_compensation, COMPENSATIONS)
+        _one_of("bf16_true_state_dtype", self.bf16_true_state_dtype, tuple(STATE_DTYPE_NAMES))
         for name in ("diagnostics_steps", "drift_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
