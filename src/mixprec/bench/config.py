@@ -109,21 +109,11 @@ class BenchConfig:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if self.precisions is not None:  # None: the defaults the device runs usefully (run_bench picks)
             object.__setattr__(self, "precisions", _canonical_precisions(self.precisions))
-        compare = (self.compare,) if isinstance(self.compare, str) else tuple(self.compare)
-        for c in compare:
-            if c not in COMPARE_NAMES:
-                raise ValueError(f"unknown compare name {c!r}; choose from {', '.join(COMPARE_NAMES)} "
-                                 f"({_COMPARE_MEANING})")
-        object.__setattr__(self, "compare", tuple(dict.fromkeys(compare)))
-        comps = (self.bf16_true_compensation,) if isinstance(self.bf16_true_compensation, str) else tuple(
-            self.bf16_true_compensation)
+        object.__setattr__(self, "compare", _names(self.compare, COMPARE_NAMES, "compare name", f"({_COMPARE_MEANING})"))
+        comps = _names(self.bf16_true_compensation, COMPENSATIONS, "bf16-true compensation", "(one bf16-true row each)")
         if not comps:
             raise ValueError(f"bf16_true_compensation is empty; name at least one of {', '.join(COMPENSATIONS)}")
-        for c in comps:
-            if c not in COMPENSATIONS:
-                raise ValueError(f"unknown bf16-true compensation {c!r}; choose from "
-                                 f"{', '.join(COMPENSATIONS)} (one bf16-true row each)")
-        object.__setattr__(self, "bf16_true_compensation", tuple(dict.fromkeys(comps)))
+        object.__setattr__(self, "bf16_true_compensation", comps)
         if self.bf16_true_state_dtype not in STATE_DTYPE_NAMES:
             raise ValueError(f"bf16_true_state_dtype must be 'fp32' or 'bf16' (the optimizer moments' dtype), "
                              f"got {self.bf16_true_state_dtype!r}")
@@ -135,6 +125,15 @@ class BenchConfig:
             except (RuntimeError, TypeError) as exc:
                 raise ValueError(f"device {self.device!r} is not a device name; use e.g. 'cpu', 'cuda' or 'cuda:0'"
                                  ) from exc
+
+
+def _names(value: str | tuple[str, ...], choices: tuple[str, ...], what: str, meaning: str) -> tuple[str, ...]:
+    """``value`` (a name or names) as a tuple without repeats, each checked against ``choices``."""
+    names = (value,) if isinstance(value, str) else tuple(value)
+    for n in names:
+        if n not in choices:
+            raise ValueError(f"unknown {what} {n!r}; choose from {', '.join(choices)} {meaning}")
+    return tuple(dict.fromkeys(names))
 
 
 def _canonical_precisions(precisions: str | tuple[str, ...]) -> tuple[str, ...]:
