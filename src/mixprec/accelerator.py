@@ -107,7 +107,7 @@ class Accelerator:
             raise ValueError(f"bf16_true_compensation must be 'kahan', 'stochastic' or 'none', got {bf16_true_compensation!r}")
         self.bf16_true_compensation = bf16_true_compensation
         self.bf16_true_state_dtype = STATE_DTYPE_NAMES.get(bf16_true_state_dtype, bf16_true_state_dtype)
-        if self.bf16_true_state_dtype not in (torch.float32, torch.bfloat16):
+        if self.bf16_true_state_dtype not in STATE_DTYPE_NAMES.values():
             raise ValueError(f"bf16_true_state_dtype must be torch.float32 or torch.bfloat16 ('fp32' or 'bf16'), "
                              f"got {bf16_true_state_dtype!r}")
         self.diagnostics = DiagnosticsConfig.coerce(diagnostics)
