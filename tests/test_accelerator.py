@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from mixprec import Accelerator, LossScaler
+from mixprec import Accelerator, LossScaler, resolve_precision
 from mixprec.data import send_to_device
 
 from toys import LMData, Regression, TinyLM
@@ -132,9 +132,9 @@ def test_clip_grad_norm_unscales_exactly_once_and_matches_unscaled_fp32(fused):
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
         # fp32 compute with a power-of-two loss scale: scaling is exact, so the runs must match.
-        acc = Accelerator(mixed_precision="bf16", cpu=True,
+        bf16_without_autocast = dataclasses.replace(resolve_precision("bf16"), autocast_enabled=False)
+        acc = Accelerator(mixed_precision=bf16_without_autocast, cpu=True,
                           loss_scaler=LossScaler("cpu", init_scale=2.0**12) if scaled else None)
-        acc.policy = dataclasses.replace(acc.policy, autocast_enabled=False)
         model, opt = acc.prepare(model, opt)
         norms = []
         for step in range(5):

@@ -264,7 +264,7 @@ def test_bf16_true_options_are_checked_and_the_errors_list_the_valid_values(caps
         BenchConfig(bf16_true_compensation=("kahan", "fp8-rounding"))
     with pytest.raises(ValueError, match="name at least one"):
         BenchConfig(bf16_true_compensation=())
-    with pytest.raises(ValueError, match="'fp32' or 'bf16'"):
+    with pytest.raises(ValueError, match="'fp32', 'bf16'"):
         BenchConfig(bf16_true_state_dtype="fp16")
     assert BenchConfig(bf16_true_compensation="none").bf16_true_compensation == ("none",)
     assert main(["bench", "--bf16-true-compensation", "kahan,exact", "--out", "/nonexistent/never-written"]) == 2

@@ -130,14 +130,14 @@ def test_auto_says_what_it_chose_and_why():
 def test_emulated_precision_warns_naming_the_missing_instruction_set(monkeypatch):
     fake = cap("cpu", bf16_mixed="emulated", bf16_true="emulated")
     fake.reasons["bf16-mixed"] = "this CPU has neither AMX-BF16 nor AVX512-BF16"
-    monkeypatch.setattr("mixprec.precision.detect_capability", lambda device=None: fake)
+    monkeypatch.setattr("mixprec.precision.names.detect_capability", lambda device=None: fake)
     with pytest.warns(PrecisionPerformanceWarning, match="AMX-BF16"):
         assert resolve_precision("bf16", "cpu").name == "bf16-mixed"
 
 
 def test_emulation_warning_is_shown_once_per_call_site(monkeypatch):
     fake = cap("cpu", fp16_mixed="emulated")
-    monkeypatch.setattr("mixprec.precision.detect_capability", lambda device=None: fake)
+    monkeypatch.setattr("mixprec.precision.names.detect_capability", lambda device=None: fake)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")
         for _ in range(3):
@@ -147,7 +147,7 @@ def test_emulation_warning_is_shown_once_per_call_site(monkeypatch):
 
 def test_unsupported_precision_is_an_error(monkeypatch):
     fake = cap("cuda:0", (6, 1), bf16_mixed="unsupported")
-    monkeypatch.setattr("mixprec.precision.detect_capability", lambda device=None: fake)
+    monkeypatch.setattr("mixprec.precision.names.detect_capability", lambda device=None: fake)
     with pytest.raises(ValueError, match="not supported"):
         resolve_precision("bf16", "cuda")
 

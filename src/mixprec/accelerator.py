@@ -15,20 +15,25 @@ from typing import Any
 
 import safetensors.torch
 import torch
-from torch.amp.grad_scaler import OptState
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from . import distributed as D
-from .bf16_true import cast_for_bf16_true
 from .data import PreparedDataLoader
 from .diagnostics.monitor import DiagnosticsConfig, Monitor
+from .fallback import fallback_target, log_fallback
 from .hardware import default_device
-from .optim import COMPENSATIONS, STATE_DTYPE_NAMES, compensated_for_bf16
-from .precision import PrecisionPolicy, resolve_precision
-from .scaler import LossScaler
-from .state import load_accelerator_state, save_accelerator_state
-from .wrappers import AcceleratedOptimizer, AcceleratedScheduler, patch_forward, unpatch_forward
+from .precision import BF16TrueConfig, PrecisionPlugin, PrecisionPolicy, make_plugin, resolve_precision
+from .scaler import LossScaleCollapse, LossScaler
+from .state import PreparedObjects, load_accelerator_state, save_accelerator_state
+from .wrappers import (
+    AcceleratedOptimizer,
+    AcceleratedScheduler,
+    OptimizerHooks,
+    patch_forward,
+    unpatch_forward,
+    unwrap,
+)
 
 __all__ = ["Accelerator"]
 
@@ -103,13 +108,7 @@ class Accelerator:
         if not isinstance(compile, (bool, dict)):
             raise TypeError(f"compile must be True/False or a dict of torch.compile arguments, got {type(compile).__name__}")
         self.compile = compile
-        if bf16_true_compensation not in COMPENSATIONS:
-            raise ValueError(f"bf16_true_compensation must be 'kahan', 'stochastic' or 'none', got {bf16_true_compensation!r}")
-        self.bf16_true_compensation = bf16_true_compensation
-        self.bf16_true_state_dtype = STATE_DTYPE_NAMES.get(bf16_true_state_dtype, bf16_true_state_dtype)
-        if self.bf16_true_state_dtype not in STATE_DTYPE_NAMES.values():
-            raise ValueError(f"bf16_true_state_dtype must be torch.float32 or torch.bfloat16 ('fp32' or 'bf16'), "
-                             f"got {bf16_true_state_dtype!r}")
+        self.bf16_true = BF16TrueConfig(compensation=bf16_true_compensation, state_dtype=bf16_true_state_dtype)
         self.diagnostics = DiagnosticsConfig.coerce(diagnostics)
         self.on_loss_scale_collapse = on_loss_scale_collapse
         device = torch.device("cpu") if cpu else default_device()
@@ -118,36 +117,56 @@ class Accelerator:
             device = torch.device("cuda", self._process.local_rank)
             torch.cuda.set_device(device)
         self.device = device
-        self.policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", device)
-        self.scaler = self._make_scaler(loss_scaler)
+        policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", device)
+        #: What the run's precision does (read at call time by the prepared models and optimizers).
+        self.precision: PrecisionPlugin = make_plugin(policy, device, loss_scaler=loss_scaler, bf16_true=self.bf16_true)
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.device_placement = device_placement
         self.ddp_comm_hook = ddp_comm_hook
         self.step = 0  # micro-batches seen by accumulate(), as Accelerate counts them
         self.sync_gradients = True
-        self._models: list[torch.nn.Module] = []
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._schedulers: list[AcceleratedScheduler] = []
-        self._dataloaders: list[PreparedDataLoader] = []
-        self._custom_objects: list[Any] = []
+        #: Everything prepared (and registered for checkpointing), in order; what save_state writes.
+        self.prepared = PreparedObjects()
         self._active_dataloaders: list[PreparedDataLoader] = []
+        self._optimizer_hooks = OptimizerHooks(step=self._step_optimizer, zero_grad=self._zero_grad,
+                                               precision=self._current_precision)
         self.monitor: Monitor | None = None
         self.optimizer_steps = 0  # applied or skipped, counted by the first prepared optimizer
         self.precision_fallbacks: list[dict[str, Any]] = []
 
-    def _make_scaler(self, loss_scaler: LossScaler | dict | None) -> LossScaler | None:
-        if loss_scaler is not None and self.policy.name in ("fp32", "bf16-true"):
-            raise ValueError(
-                f"a loss scaler does nothing for {self.policy.name}: fp32's and bf16's range need no scaling; "
-                "drop loss_scaler, or use mixed_precision='fp16'"
-            )
-        if isinstance(loss_scaler, LossScaler):
-            return loss_scaler
-        if loss_scaler is not None and not isinstance(loss_scaler, dict):
-            raise TypeError(f"loss_scaler must be a LossScaler or a dict of its arguments, got {type(loss_scaler).__name__}")
-        if loss_scaler is None and not self.policy.needs_loss_scaler:
-            return None
-        return LossScaler(self.device.type, **(loss_scaler or {}))
+    def _current_precision(self) -> PrecisionPlugin:
+        return self.precision
+
+    @property
+    def policy(self) -> PrecisionPolicy:
+        """The current precision's policy (names and dtypes)."""
+        return self.precision.policy
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        """The current precision's loss scaler (``None`` without one, or after a precision fallback)."""
+        return self.precision.scaler
+
+    # Accelerate's names for the prepared objects (its users and tests read them).
+    @property
+    def _models(self) -> list[torch.nn.Module]:
+        return self.prepared.models
+
+    @property
+    def _optimizers(self) -> list[AcceleratedOptimizer]:
+        return self.prepared.optimizers
+
+    @property
+    def _schedulers(self) -> list[AcceleratedScheduler]:
+        return self.prepared.schedulers
+
+    @property
+    def _dataloaders(self) -> list[PreparedDataLoader]:
+        return self.prepared.dataloaders
+
+    @property
+    def _custom_objects(self) -> list[Any]:
+        return self.prepared.custom
 
     # -- who am I -----------------------------------------------------------------------
     @property
@@ -221,45 +240,45 @@ class Accelerator:
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
-        """Move ``model`` to the device (bf16 parameters for bf16-true), run its forward under the
-        policy's autocast, and wrap it in ``DistributedDataParallel`` when several processes run."""
+        """Move ``model`` to the device, convert it for the precision (bf16 parameters for
+        bf16-true), run its forward in the current precision, and wrap it in
+        ``DistributedDataParallel`` when several processes run."""
         if device_placement if device_placement is not None else self.device_placement:
             model.to(self.device)
-        if self.policy.param_dtype != torch.float32:
-            # bf16-true: bf16 everywhere but normalisation layers, whose statistics stay fp32 (the rule
-            # is mixprec.bf16_true.fp32_modules_rule).
-            cast_for_bf16_true(model, dtype=self.policy.param_dtype)
-        patch_forward(model, self)
-        if self.diagnostics.enabled and self.monitor is None:
-            self.monitor = Monitor(self.diagnostics, model, self.scaler)
+        self.precision.convert_module(model)
+        patch_forward(model, self._current_precision)
+        if self.diagnostics.enabled:
+            if self.monitor is None:
+                self.monitor = Monitor(self.diagnostics, scaler=self.scaler)
+            self.monitor.watch(model)
         if self.use_distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)
             if self.ddp_comm_hook is not None:
                 model.register_comm_hook(state=None, hook=D.compress_hook(self.ddp_comm_hook))
         if self.compile:
-            # Compiled around the autocast forward, so autocast is traced into the graph.
+            # Compiled around the precision's forward, so autocast is traced into the graph.
             model = torch.compile(model, **(self.compile if isinstance(self.compile, dict) else {}))
-        self._models.append(model)
+        self.prepared.models.append(model)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
-        """Wrap ``optimizer`` so that ``step()`` does the loss scaler's work."""
+        """Wrap ``optimizer`` so that ``step()`` goes through the precision plugin (bf16-true
+        first swaps a fresh AdamW/SGD for its compensated twin)."""
         if isinstance(optimizer, AcceleratedOptimizer):
             optimizer = optimizer.optimizer
-        original = optimizer
-        if self.policy.name == "bf16-true" and self.bf16_true_compensation != "none":
-            optimizer = compensated_for_bf16(optimizer, self.bf16_true_compensation, self.bf16_true_state_dtype)
-        wrapped = AcceleratedOptimizer(optimizer, self)
-        wrapped.original_optimizer = original
-        self._optimizers.append(wrapped)
+        converted = self.precision.convert_optimizer(optimizer)
+        self.precision.track_optimizer(converted)
+        wrapped = AcceleratedOptimizer(converted, self._optimizer_hooks, original=optimizer)
+        self.prepared.optimizers.append(wrapped)
         return wrapped
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap ``scheduler`` so that it steps only when its optimizer's step was applied."""
-        mine = [o for o in self._optimizers if scheduler.optimizer in (o.optimizer, o.original_optimizer)]
-        wrapped = AcceleratedScheduler(scheduler, mine or self._optimizers, self)
-        self._schedulers.append(wrapped)
+        optimizers = self.prepared.optimizers
+        mine = [o for o in optimizers if scheduler.optimizer in (o.optimizer, o.original_optimizer)]
+        wrapped = AcceleratedScheduler(scheduler, mine or optimizers, lambda: self.sync_gradients)
+        self.prepared.schedulers.append(wrapped)
         return wrapped
 
     def prepare_data_loader(self, dataloader: DataLoader, *, checkpoint: bool = True) -> PreparedDataLoader:
@@ -276,12 +295,11 @@ class Accelerator:
             dataloader.sampler.generator is None and dataloader.generator is None)
         seed = D.broadcast_object(int(torch.randint(0, 2**62, (1,)).item())) if needs_seed else 0
         device = self.device if self.device_placement else None
-        float_dtype = self.policy.param_dtype if self.policy.param_dtype != torch.float32 else None
         prepared = PreparedDataLoader(dataloader, device=device, world_size=self.num_processes, rank=self.process_index,
-                                      seed=seed, float_dtype=float_dtype, on_iter=self._track_dataloader,
+                                      seed=seed, float_dtype=self.precision.input_dtype, on_iter=self._track_dataloader,
                                       on_end=self._untrack_dataloader)
         if checkpoint:
-            self._dataloaders.append(prepared)
+            self.prepared.dataloaders.append(prepared)
         return prepared
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
@@ -302,20 +320,18 @@ class Accelerator:
         for obj in objects:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"{type(obj).__name__} has no state_dict()/load_state_dict(); it cannot be checkpointed")
-        self._custom_objects.extend(objects)
+        self.prepared.custom.extend(objects)
 
     # -- the step ---------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The policy's autocast on this device (a no-op for fp32 and bf16-true)."""
-        return self.policy.autocast(self.device)
+        """The current precision's forward context (autocast; a no-op for fp32 and bf16-true)."""
+        return self.precision.forward_context()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, divided by the accumulation steps and scaled where the policy needs it."""
+        """``loss.backward()``, divided by the accumulation steps and scaled where the precision needs it."""
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        loss.backward(**kwargs)
+        self.precision.backward(loss, **kwargs)
 
     def _track_dataloader(self, dl: PreparedDataLoader) -> None:
         if dl in self._active_dataloaders:
@@ -352,67 +368,101 @@ class Accelerator:
 
     def _optimizers_for(self, parameters: list[torch.Tensor]) -> list[torch.optim.Optimizer]:
         ids = {id(p) for p in parameters}
-        return [o.optimizer for o in self._optimizers
+        return [o.optimizer for o in self.prepared.optimizers
                 if any(id(p) in ids for g in o.optimizer.param_groups for p in g["params"])]
 
-    def _unscaled_for_clipping(self, parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor] | None:
-        """The parameters, their gradients unscaled (once) by the optimizers that hold them; ``None``
-        on accumulation steps that don't sync, whose gradients are still partial."""
-        if not self.sync_gradients:
-            return None
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if self.scaler is not None:
-            for opt in self._optimizers_for(params):
-                self.unscale_gradients(opt)
-        return params
-
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Divide the gradients by the loss scale now, once per step (later calls do nothing)."""
-        if self.scaler is None or not self.scaler.is_enabled() or not self.sync_gradients:
+        """Divide the gradients by the loss scale now, once per iteration (later calls do nothing)."""
+        if not self.sync_gradients:
             return
-        opts = [optimizer] if optimizer is not None else [o.optimizer for o in self._optimizers]
-        for opt in opts:
-            opt = opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt
-            if self.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY:
-                self.scaler.unscale_(opt)
+        opts = [optimizer] if optimizer is not None else [o.optimizer for o in self.prepared.optimizers]
+        with self._collapse_guard():
+            for opt in opts:
+                self.precision.unscale_gradients(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
+
+    def _clip(self, parameters: Iterable[torch.Tensor] | torch.Tensor, **how: Any) -> torch.Tensor | None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        with self._collapse_guard():
+            return self.precision.clip_gradients(params, self._optimizers_for(params), **how)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor | None:
-        """Unscale (exactly once, fused optimizers included), then clip the gradients' total norm.
+        """Unscale (exactly once per iteration, fused optimizers included), then clip the gradients' total norm.
 
         Returns the norm before clipping; ``None`` on accumulation steps that don't sync, where the
         gradients are still partial (call it inside ``if accelerator.sync_gradients:``).
         """
-        params = self._unscaled_for_clipping(parameters)
-        return None if params is None else torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return self._clip(parameters, max_norm=max_norm, norm_type=norm_type) if self.sync_gradients else None
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
-        """Unscale (exactly once), then clamp every gradient element to ``[-clip_value, clip_value]``."""
-        params = self._unscaled_for_clipping(parameters)
-        if params is not None:
-            torch.nn.utils.clip_grad_value_(params, clip_value)
+        """Unscale (exactly once per iteration), then clamp every gradient element to ``[-clip_value, clip_value]``."""
+        if self.sync_gradients:
+            self._clip(parameters, clip_value=clip_value)
 
-    # -- around each optimizer step (called by the prepared optimizer) ------------------
-    def _before_optimizer_step(self, wrapped: AcceleratedOptimizer) -> None:
-        if self.monitor is None or wrapped is not self._optimizers[0]:
-            return
-        carried = None
-        if self.scaler is not None and \
-                self.scaler._per_optimizer_states[id(wrapped.optimizer)]["stage"] is OptState.READY:
-            carried = self.scaler  # still scaled: not unscaled by clipping yet
-        self.monitor.before_step(self.optimizer_steps, carried)
-
-    def _after_optimizer_step(self, wrapped: AcceleratedOptimizer) -> None:
-        if wrapped is not self._optimizers[0]:
-            return
+    # -- each prepared optimizer's step and zero_grad come here ---------------------------
+    def _step_optimizer(self, wrapped: AcceleratedOptimizer, closure: Any) -> Any:
+        if not self.sync_gradients:
+            return None
+        first = wrapped is self.prepared.optimizers[0]
+        models = self._observe_before_step(wrapped)
+        out = None
+        with self._collapse_guard(wrapped):
+            out = self.precision.optimizer_step(wrapped.optimizer, closure)
+        if wrapped.original_optimizer is not wrapped.optimizer:
+            # A scheduler built on the user's optimizer checks that *it* stepped (torch's flag).
+            wrapped.original_optimizer._opt_called = True
         if self.monitor is not None:
-            self.monitor.after_step(self.optimizer_steps)
-        self.optimizer_steps += 1
+            self.monitor.after_step(self.optimizer_steps, models)
+        self.optimizer_steps += first
+        return out
+
+    def _zero_grad(self, wrapped: AcceleratedOptimizer, set_to_none: bool) -> None:
+        if self.sync_gradients:  # on accumulation steps the gradients keep adding up
+            self.precision.zero_grad(wrapped.optimizer, set_to_none=set_to_none)
+
+    def _observe_before_step(self, wrapped: AcceleratedOptimizer) -> list[torch.nn.Module] | None:
+        """Hand the diagnostics the gradients of the models this optimizer steps; returns those models."""
+        if self.monitor is None:
+            return None
+        held = {id(p) for g in wrapped.optimizer.param_groups for p in g["params"]}
+        models = [m for m in self.monitor.models if any(id(p) in held for p in m.parameters())]
+        self.monitor.before_step(self.optimizer_steps, self.precision.grads_scaled_by(wrapped.optimizer), models)
+        return models
+
+    @contextlib.contextmanager
+    def _collapse_guard(self, wrapped: AcceleratedOptimizer | None = None) -> Iterator[None]:
+        """Let a loss-scale collapse through with the tracer's culprit, or fall back (``on_loss_scale_collapse``)."""
+        try:
+            yield
+        except LossScaleCollapse as error:
+            if wrapped is not None:
+                wrapped.mark_skipped()
+            blame = self.monitor.blame() if self.monitor is not None else \
+                "turn on diagnostics (trace_overflow=True) to name the overflowing module"
+            if self.on_loss_scale_collapse == "raise":
+                raise LossScaleCollapse(f"{error} Tracer: {blame}.") from None
+            # The skipped steps changed neither the parameters nor the optimizer state: they are
+            # the last applied state already. Drop the overflowing gradients and switch precision.
+            target, why = fallback_target(self.precision, self.device)
+            before = self.policy.name
+            for o in self.prepared.optimizers:
+                o.optimizer.zero_grad(set_to_none=True)
+            self._switch_precision(target)
+            self.precision_fallbacks.append({"step": self.optimizer_steps, "from": before, "to": target})
+            log_fallback(self.optimizer_steps, before, target, why, blame)
+
+    def _switch_precision(self, name: str) -> None:
+        """Run the rest of training in ``name``: one assignment, which every prepared model and
+        optimizer reads at its next call."""
+        self.precision.release()
+        self.precision = make_plugin(name, self.device, bf16_true=self.bf16_true)
+        for o in self.prepared.optimizers:
+            self.precision.track_optimizer(o.optimizer)
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped for inf/NaN gradients. Syncs with fp16."""
-        return any(o.step_was_skipped for o in self._optimizers)
+        """Whether the last step of any prepared optimizer was skipped for inf/NaN gradients. Syncs with fp16."""
+        return any(o.step_was_skipped for o in self.prepared.optimizers)
 
     # -- across processes ----------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
@@ -434,14 +484,8 @@ class Accelerator:
     # -- models out ---------------------------------------------------------------------
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
         """The user's own module: without DDP or ``torch.compile`` wrappers (and, with
-        ``keep_fp32_wrapper=False``, without the autocast forward)."""
-        while True:
-            if isinstance(model, DistributedDataParallel):
-                model = model.module
-            elif hasattr(model, "_orig_mod"):
-                model = model._orig_mod
-            else:
-                break
+        ``keep_fp32_wrapper=False``, without the precision's forward)."""
+        model = unwrap(model)
         return model if keep_fp32_wrapper else unpatch_forward(model)
 
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -466,9 +510,14 @@ class Accelerator:
         Model weights as safetensors; optimizer, scheduler, scaler, dataloader positions and
         RNG states (one file per process) with ``torch.save``; a manifest with sizes and sha256.
         The folder appears only when complete. ``extra_files`` (name -> text or bytes) join the
-        same atomic write (the Trainer puts ``trainer_state.json`` there).
+        same atomic write (the Trainer puts ``trainer_state.json`` there). An iteration left open
+        (an optimizer stepped, another not yet) is closed first: gradients are not saved.
         """
-        return save_accelerator_state(self, Path(output_dir), extra_files or {})
+        self.precision.finish_iteration()
+        meta = {"step": self.step, "precision": self.policy.name, "optimizer_steps": self.optimizer_steps,
+                "precision_fallback": bool(self.precision_fallbacks)}
+        return save_accelerator_state(Path(output_dir), self.prepared, self._process, self.precision.state_dict(),
+                                      meta, extra_files or {})
 
     def load_state(self, input_dir: str | os.PathLike) -> None:
         """Restore what :meth:`save_state` wrote, after verifying every file against the manifest.
@@ -477,7 +526,13 @@ class Accelerator:
             CheckpointError: naming the file that is missing, truncated, altered, or that holds
                 anything but tensors (nothing in it is run).
         """
-        load_accelerator_state(self, Path(input_dir))
+        meta, precision_state = load_accelerator_state(Path(input_dir), self.prepared, self._process, self.device)
+        if meta.get("precision_fallback") and meta["precision"] != self.policy.name:
+            self._switch_precision(meta["precision"])  # the run had fallen back: keep it so
+            self.precision_fallbacks.append({"step": meta.get("optimizer_steps", 0), "to": meta["precision"]})
+        self.precision.load_state_dict(precision_state)
+        self.step = int(meta["step"])
+        self.optimizer_steps = int(meta.get("optimizer_steps", 0))
 
     def end_training(self) -> None:
         """Release the process group, if several processes ran."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from torch.amp import GradScaler
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 __all__ = ["LossScaler", "LossScaleCollapse"]
 
@@ -140,8 +140,9 @@ class LossScaler(GradScaler):
         self._pending_counters: dict[str, int] = {}
 
     # -- state on the device -------------------------------------------------------------
-    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        super()._lazy_init_scale_growth_tracker(dev)
+    def _init_counters(self, dev: torch.device) -> None:
+        # Created beside GradScaler's scale, on the first scale() (or update(), for a scale made
+        # some other way), from what load_state_dict left pending.
         pending = self._pending_counters
         self._hysteresis_counter = torch.full((), pending.get("hysteresis_counter", self._hysteresis),
                                               dtype=torch.int32, device=dev)
@@ -150,10 +151,45 @@ class LossScaler(GradScaler):
         self._consecutive_on_host = pending.get("consecutive_skips", 0)
         self._pending_counters = {}
 
+    def scale(self, outputs: Any) -> Any:
+        """Multiply ``outputs`` (a tensor or nested tensors) by the scale; GradScaler's ``scale``. No sync."""
+        out = super().scale(outputs)
+        if self._enabled and self._skipped is None and self._scale is not None:
+            self._init_counters(self._scale.device)
+        return out
+
+    def get_scale_tensor(self) -> torch.Tensor:
+        """The scale as a device tensor (GradScaler's ``get_scale`` reads it into a float; this does not sync)."""
+        if self._scale is None:
+            return torch.full((), self._init_scale, dtype=torch.float32, device=self._device)
+        return self._scale
+
+    # -- where each optimizer stands in this iteration (no sync) --------------------------
+    def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s gradients were unscaled (``unscale_`` or ``step``) since the last ``update()``."""
+        state = self._per_optimizer_states.get(id(optimizer))
+        return state is not None and state["stage"] is not OptState.READY
+
+    def has_stepped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``step(optimizer)`` was called since the last ``update()``."""
+        state = self._per_optimizer_states.get(id(optimizer))
+        return state is not None and state["stage"] is OptState.STEPPED
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor | None, bool | None]:
+        """``optimizer``'s inf/NaN check since the last ``update()``: a device flag (> 0 when found;
+        ``None`` before its check) and, where a read already told it, the host's answer. No sync."""
+        state = self._per_optimizer_states.get(id(optimizer))
+        flags = list(state["found_inf_per_device"].values()) if state is not None else []
+        if not flags:
+            return None, None
+        flag = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).sum()
+        return flag, state.get("found_inf_on_host")
+
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
                         *args: Any, **kwargs: Any) -> Any:
         # GradScaler's step-or-skip for an optimizer without a fused step: its one read of the
-        # found-inf flag (a sync), whose answer is kept for update().
+        # found-inf flag (a sync), whose answer is kept for update() and found_inf(). A private
+        # hook of torch's: test_scaler's contract test names the torch version if it changes.
         found = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
         optimizer_state["found_inf_on_host"] = bool(found)
         return None if found else optimizer.step(*args, **kwargs)
@@ -171,6 +207,8 @@ class LossScaler(GradScaler):
         if not self._enabled:
             return
         scale, tracker = self._check_scale_growth_tracker("update")
+        if self._skipped is None:
+            self._init_counters(scale.device)
         if new_scale is not None:
             super().update(new_scale)
             return

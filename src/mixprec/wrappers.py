@@ -1,50 +1,49 @@
-"""What ``Accelerator.prepare`` hands back: the model's forward under the policy, an optimizer
-whose ``step()`` does the loss scaler's work, and a scheduler that skips when the step did."""
+"""What ``Accelerator.prepare`` hands back: the model's forward in the run's *current* precision
+(read at call time), an optimizer whose ``step()`` goes through the precision plugin, and a
+scheduler that skips when the step did. This module alone names what it sets on a user's model.
+"""
 
 from __future__ import annotations
 
 import types
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from .data import send_to_device
-from .fallback import on_loss_scale_collapse
-from .scaler import LossScaleCollapse
+from .precision import PrecisionPlugin
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .accelerator import Accelerator
-
-__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "patch_forward", "unpatch_forward"]
+__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "OptimizerHooks", "patch_forward", "unpatch_forward",
+           "original_forward", "unwrap"]
 
 _ORIGINAL = "_mixprec_original_forward"
+_PRECISION = "_mixprec_precision"  # a function returning the owner's current plugin
 
 
-def _autocast_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    policy, device, cast = self._mixprec_autocast
-    if cast is not None:
-        args = send_to_device(args, device, float_dtype=cast)
-        kwargs = send_to_device(kwargs, device, float_dtype=cast)
-    with policy.autocast(device):
-        return getattr(self, _ORIGINAL)(*args, **kwargs)
+def _precision_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    plugin: PrecisionPlugin = getattr(self, _PRECISION)()
+    with plugin.forward_context():
+        return getattr(self, _ORIGINAL)(*plugin.convert_input(args), **plugin.convert_input(kwargs))
 
 
-def patch_forward(model: torch.nn.Module, accelerator: Accelerator) -> None:
-    """Run ``model.forward`` under the accelerator's autocast (and, for bf16-true, cast float inputs).
+def patch_forward(model: torch.nn.Module, current_precision: Callable[[], PrecisionPlugin]) -> None:
+    """Run ``model.forward`` in the plugin ``current_precision()`` returns at each call.
 
     The model object stays the same (its attributes, ``isinstance`` checks and ``state_dict`` are
     untouched); only the instance's ``forward`` is replaced, as a method bound to the model (so a
-    ``copy.deepcopy`` of it runs its own weights), and :func:`unpatch_forward` undoes it.
+    ``copy.deepcopy`` of it runs its own weights, in the same owner's precision), and
+    :func:`unpatch_forward` undoes it. Patching twice keeps the first.
     """
     if hasattr(model, _ORIGINAL):
         return
-    policy = accelerator.policy
-    cast = policy.param_dtype if policy.param_dtype != torch.float32 else None
     original = model.forward
-    model._mixprec_autocast = (policy, accelerator.device, cast)
+    setattr(model, _PRECISION, current_precision)
     setattr(model, _ORIGINAL, original)
+
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return _autocast_forward(self, *args, **kwargs)
+        return _precision_forward(self, *args, **kwargs)
 
     # inspect.signature(model.forward) then shows the model's own arguments (the Trainer reads it).
     forward.__wrapped__ = getattr(original, "__func__", original)
@@ -57,29 +56,62 @@ def unpatch_forward(model: torch.nn.Module) -> torch.nn.Module:
     if hasattr(model, _ORIGINAL):
         del model.forward  # the instance attribute; the class's forward shows through again
         delattr(model, _ORIGINAL)
-        del model._mixprec_autocast
+        delattr(model, _PRECISION)
     return model
+
+
+def original_forward(model: torch.nn.Module) -> Callable[..., Any]:
+    """``model``'s own forward, without the precision around it (its ``forward`` if unpatched)."""
+    return getattr(model, _ORIGINAL, model.forward)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside ``DistributedDataParallel`` and ``torch.compile`` wrappers."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+
+
+@dataclass(frozen=True)
+class OptimizerHooks:
+    """How a prepared optimizer reaches its owner (the Accelerator sets them in ``prepare``).
+
+    Args:
+        step: ``step(wrapped, closure)``: the whole step (or a no-op on accumulation steps).
+        zero_grad: ``zero_grad(wrapped, set_to_none)``.
+        precision: returns the owner's current precision plugin.
+    """
+
+    step: Callable[[AcceleratedOptimizer, Any], Any]
+    zero_grad: Callable[[AcceleratedOptimizer, bool], None]
+    precision: Callable[[], PrecisionPlugin]
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """The user's optimizer, whose ``step()`` unscales, checks for inf/NaN, steps or skips, and
-    updates the loss scale, and which does nothing on accumulation steps that don't sync.
+    updates the loss scale (all in the precision plugin), and which does nothing on accumulation
+    steps that don't sync.
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own, so schedulers
     built on the original optimizer keep working.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, accelerator: Accelerator) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, hooks: OptimizerHooks,
+                 original: torch.optim.Optimizer | None = None) -> None:
         # Deliberately no super().__init__: this object is a view of ``optimizer``.
         self.optimizer = optimizer
-        self.original_optimizer = optimizer  # what the user passed (differs for bf16-true's compensated one)
-        self.accelerator = accelerator
-        self._step_was_skipped = False
+        self.original_optimizer = original if original is not None else optimizer  # what the user passed
+        self.hooks = hooks
+        self._skipped: bool | None = None  # known on the host (a collapse), else asked of the plugin
 
     @property
     def scaler(self) -> Any:
-        """The accelerator's loss scaler (``None`` without one, or after a precision fallback)."""
-        return self.accelerator.scaler
+        """The run's loss scaler (``None`` without one, or after a precision fallback)."""
+        return self.hooks.precision().scaler
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -108,41 +140,29 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, except on accumulation steps that don't sync (they keep adding up)."""
-        if self.accelerator.sync_gradients:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.hooks.zero_grad(self, set_to_none)
 
     def step(self, closure: Any = None) -> Any:
-        """Step (or skip on inf/NaN) and update the loss scale; a no-op on non-sync accumulation steps."""
-        acc = self.accelerator
-        if not acc.sync_gradients:
-            return None
-        acc._before_optimizer_step(self)
-        scaler = self.scaler
-        if scaler is None:
-            out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-            self._step_was_skipped = False
-        else:
-            if closure is not None:
-                raise ValueError("closures are not supported with a loss scaler (torch.amp.GradScaler has the same limit)")
-            out = scaler.step(self.optimizer)
-            try:
-                scaler.update()
-                self._step_was_skipped = None  # read lazily: knowing it costs a host-device sync
-            except LossScaleCollapse as e:
-                self._step_was_skipped = True
-                on_loss_scale_collapse(acc, e)  # raises, or falls back to another precision
-        if self.original_optimizer is not self.optimizer:
-            # A scheduler built on the user's optimizer checks that *it* stepped (torch's flag).
-            self.original_optimizer._opt_called = True
-        acc._after_optimizer_step(self)
-        return out
+        """Step (or skip on inf/NaN); the scale is updated once per iteration. A no-op on non-sync
+        accumulation steps."""
+        self._skipped = None
+        return self.hooks.step(self, closure)
+
+    def mark_skipped(self) -> None:
+        """Record that the last step was skipped (the owner knows it on the host: a collapse)."""
+        self._skipped = True
 
     @property
     def step_was_skipped(self) -> bool:
-        """Whether the last ``step()`` was skipped for inf/NaN gradients. Syncs with fp16."""
-        if self._step_was_skipped is None:
-            self._step_was_skipped = not self.scaler.last_step_applied
-        return self._step_was_skipped
+        """Whether the last ``step()`` was skipped for inf/NaN gradients. Syncs with a loss scaler."""
+        if self._skipped is None:
+            return self.hooks.precision().step_was_skipped(self.optimizer)
+        return self._skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many of this optimizer's steps were skipped for inf/NaN gradients. Syncs."""
+        return self.hooks.precision().skipped_steps(self.optimizer)
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__
@@ -157,14 +177,14 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 class AcceleratedScheduler:
     """The user's LR scheduler, stepped only when the optimizer step was applied."""
 
-    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], accelerator: Accelerator) -> None:
+    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], sync_gradients: Callable[[], bool]) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
-        self.accelerator = accelerator
+        self.sync_gradients = sync_gradients
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance the schedule, unless this is a non-sync accumulation step or the step was skipped."""
-        if not self.accelerator.sync_gradients:
+        if not self.sync_gradients():
             return
         if any(opt.step_was_skipped for opt in self.optimizers):
             return
@@ -181,6 +201,6 @@ class AcceleratedScheduler:
 
     def __getattr__(self, name: str) -> Any:
         # Attributes the wrapper does not define (last_epoch, base_lrs, ...) are the scheduler's.
-        if name in ("scheduler", "optimizers", "accelerator"):
+        if name in ("scheduler", "optimizers", "sync_gradients"):
             raise AttributeError(name)
         return getattr(self.scheduler, name)

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ..optim import COMPENSATIONS, STATE_DTYPE_NAMES
-from ..precision import canonical_precision
+from ..optim import COMPENSATIONS
+from ..precision import BF16TrueConfig, canonical_precision
 
 __all__ = ["BenchConfig", "DEFAULT_PRECISIONS", "COMPARE_NAMES"]
 
@@ -114,9 +114,8 @@ class BenchConfig:
         if not comps:
             raise ValueError(f"bf16_true_compensation is empty; name at least one of {', '.join(COMPENSATIONS)}")
         object.__setattr__(self, "bf16_true_compensation", comps)
-        if self.bf16_true_state_dtype not in STATE_DTYPE_NAMES:
-            raise ValueError(f"bf16_true_state_dtype must be 'fp32' or 'bf16' (the optimizer moments' dtype), "
-                             f"got {self.bf16_true_state_dtype!r}")
+        for comp in comps:  # bf16-true's one validation (the Accelerator's and TrainingArguments' too)
+            BF16TrueConfig(compensation=comp, state_dtype=self.bf16_true_state_dtype)
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if self.device is not None:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from ..data import send_to_device
 from ..hardware import default_device, detect_capability
-from ..precision import PrecisionPerformanceWarning
+from ..precision import PrecisionPerformanceWarning, policy_for
 from ..trainer.outputs import call_model
 from .config import DEFAULT_PRECISIONS, BenchConfig, _build_job, _Job, _loss_of, _tokens_per_sample
 from .measure import _dtype_name, _matmul_peak, _profile_step
@@ -120,7 +120,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             _start(rows[name], runners, name,
                    lambda c=c, p=precision: _RIVAL_FACTORIES[c](job, p, config, device, notes), device, config)
         size = config.matmul_size or (2048 if device.type == "cpu" else 4096)
-        dtypes = sorted({torch.float32} | {_COMPUTE_DTYPE[r["precision"]] for r in rows.values()}, key=str)
+        dtypes = sorted({torch.float32} | {policy_for(r["precision"]).compute_dtype for r in rows.values()}, key=str)
         try:
             profiles, round_peaks = _run_rounds(rows, runners, job, config, device,
                                                 lambda: _matmul_peak(device, dtypes, size))
@@ -191,10 +191,6 @@ def _compare_notes(rows: dict[str, dict[str, Any]], config: BenchConfig) -> list
         notes.append("torch-loop bf16-true: the model cast to bf16 and torch's fused AdamW, uncompensated; its vs "
                      f"mixprec is against the bf16-true row ({twin.get('compensation')} compensation)")
     return notes
-
-
-_COMPUTE_DTYPE = {"fp32": torch.float32, "fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16,
-                  "bf16-true": torch.bfloat16}
 
 
 def _skip(row: dict[str, Any], reason: str) -> None:
@@ -270,7 +266,7 @@ def _finish_row(row: dict[str, Any], runner: Any, config: BenchConfig, round_pea
     row.update(step_time_s=median, step_time_per_round_s=per_round, step_time_min_s=min(runner.times),
                round_spread=max(per_round) / min(per_round), step_times_s=list(runner.times),
                samples_per_s=samples, tokens_per_s=samples * tokens if tokens else None,
-               compute_dtype=_dtype_name(_COMPUTE_DTYPE[row["precision"]]))
+               compute_dtype=_dtype_name(policy_for(row["precision"]).compute_dtype))
     if not row.get("flops_per_step"):  # a compare row: the same job's FLOPs, counted on our run
         row["flops_per_step"] = rows.get(row["precision"], {}).get("flops_per_step")
     flops = row["flops_per_step"]

@@ -19,6 +19,7 @@ from torch.utils import flop_counter
 
 from ..accelerator import Accelerator
 from ..data import send_to_device
+from ..precision import policy_for
 from ..trainer.outputs import call_model
 from .config import BenchConfig, _Job, _loss_of
 from .measure import _CPU_SDPA_FLOPS, _Clock
@@ -134,7 +135,6 @@ def _describe(opt: torch.optim.Optimizer) -> str:
 
 
 # -- without mixprec's Accelerator: the hand-written loop, and mixprec's Trainer ----------------
-_AUTOCAST_DTYPES = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
 
 class _TorchLoopRunner(_LoopRunner):
@@ -144,15 +144,15 @@ class _TorchLoopRunner(_LoopRunner):
     def __init__(self, job: _Job, precision: str, config: BenchConfig, device: torch.device,
                  notes: list[str]) -> None:
         torch.manual_seed(config.seed)
-        model = job.build_model().to(device)
-        if precision == "bf16-true":
-            model = model.to(torch.bfloat16)
+        # What the policy says, written out as a torch user would: no mixprec plugin here.
+        policy = policy_for(precision)
+        model = job.build_model().to(device=device, dtype=policy.param_dtype)
         opt = _adamw(list(model.parameters()), config.lr)
         super().__init__(None, torch.compile(model) if config.compile else model, opt, job.train_loader(config),
                          device)
-        self._dtype = _AUTOCAST_DTYPES.get(precision)
-        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
-        self.input_dtype = torch.bfloat16 if precision == "bf16-true" else None
+        self._dtype = policy.compute_dtype if policy.autocast_enabled else None
+        self.scaler = torch.amp.GradScaler(device.type) if policy.needs_loss_scaler else None
+        self.input_dtype = policy.param_dtype if policy.param_dtype != torch.float32 else None
         self.optimizer = _describe(opt)
 
     def step(self, flops: flop_counter.FlopCounterMode | None = None) -> torch.Tensor:
@@ -180,9 +180,8 @@ class _MixprecTrainerRunner(_Runner):
         from ..trainer import Trainer, TrainingArguments
 
         self._dir = tempfile.TemporaryDirectory(prefix="mixprec-bench-trainer-")
-        which = {"bf16-mixed": {"bf16": True}, "fp16-mixed": {"fp16": True}, "bf16-true": {"precision": precision}}
         args = TrainingArguments(
-            output_dir=self._dir.name, **which.get(precision, {}), use_cpu=device.type == "cpu",
+            output_dir=self._dir.name, precision=precision, use_cpu=device.type == "cpu",
             optim="adamw_torch_fused", learning_rate=config.lr, weight_decay=0.0, lr_scheduler_type="constant",
             max_grad_norm=0.0, per_device_train_batch_size=config.batch_size, max_steps=_steps_to_train(config),
             logging_steps=10**9, save_strategy="no", report_to="none", disable_tqdm=True,

@@ -92,7 +92,7 @@ def _probe(precision: str, build_model: Callable[[], torch.nn.Module], dataset: 
         losses.append(float(loss.detach().float()))
         step += 1
     scaler = acc.scaler
-    events = acc.monitor.tracer.events if acc.monitor is not None else []
+    events = acc.monitor.events if acc.monitor is not None else []
     acc.monitor.remove()
     return {
         "precision": precision,

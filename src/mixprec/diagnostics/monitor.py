@@ -1,7 +1,7 @@
 """Diagnostics attached to a training run: what the Accelerator and the Trainer switch on.
 
-A :class:`Monitor` owns the :class:`GradientStats` and the :class:`OverflowTracer` of one
-model and is called around each optimizer step. It observes only: with it on, the run's
+A :class:`Monitor` owns a :class:`GradientStats` and an :class:`OverflowTracer` per model
+and is called around each optimizer step. It observes only: with it on, the run's
 numbers are bit for bit those of the run without it.
 """
 
@@ -72,59 +72,115 @@ class DiagnosticsConfig:
 
 
 class Monitor:
-    """The diagnostics of one model during training.
+    """The diagnostics of every model of a training run.
+
+    Each watched model has its own :class:`GradientStats` and :class:`OverflowTracer`; the
+    owner (Accelerator, Trainer) calls :meth:`before_step` / :meth:`after_step` around the step
+    of the optimizer that holds a model's parameters, naming that model.
 
     Args:
         config: what to run.
-        model: the user's (unwrapped) model.
+        model: the user's (unwrapped) first model, if any; :meth:`watch` adds others.
         scaler: the run's loss scaler, if any (read for the "at scale" statistics).
+
+    Example:
+        >>> monitor = Monitor(DiagnosticsConfig(gradient_stats_every=1), torch.nn.Linear(2, 1))
+        >>> monitor.watch(torch.nn.Linear(1, 1))
+        >>> len(monitor.models)
+        2
     """
 
-    def __init__(self, config: DiagnosticsConfig, model: torch.nn.Module, scaler: Any = None) -> None:
+    def __init__(self, config: DiagnosticsConfig, model: torch.nn.Module | None = None, scaler: Any = None) -> None:
         self.config = config
-        self.stats = GradientStats(model, every_n_steps=config.gradient_stats_every or None,
-                                   scale_source=scaler if scaler is not None else None)
-        self.tracer = OverflowTracer(model, threshold=config.trace_threshold, enabled=config.trace_overflow)
+        self.scaler = scaler
+        self._stats: list[GradientStats] = []
+        self._tracers: list[OverflowTracer] = []
+        self.models: list[torch.nn.Module] = []
         self.last_event: TraceEvent | None = None
+        if model is not None:
+            self.watch(model)
 
-    def before_step(self, step: int, grads_scaled_by: Any) -> None:
-        """Observe the gradients about to be applied (``grads_scaled_by``: the scale they carry)."""
-        self.stats.observe(step, grads_are_scaled_by=grads_scaled_by)
+    def watch(self, model: torch.nn.Module) -> None:
+        """Observe ``model`` too (a model already watched is not added twice)."""
+        if any(m is model for m in self.models):
+            return
+        self.models.append(model)
+        self._stats.append(GradientStats(model, every_n_steps=self.config.gradient_stats_every or None,
+                                         scale_source=self.scaler))
+        self._tracers.append(OverflowTracer(model, threshold=self.config.trace_threshold,
+                                            enabled=self.config.trace_overflow))
 
-    def after_step(self, step: int) -> TraceEvent | None:
-        """Close the step for the tracer; returns its event, if any. Syncs while tracing."""
-        if not self.tracer.enabled:
-            return None
-        event = self.tracer.end_step(step)
-        if event is not None:
-            self.last_event = event
-        return event
+    def _indices(self, models: list[torch.nn.Module] | None) -> list[int]:
+        if models is None:
+            return list(range(len(self.models)))
+        return [i for i, m in enumerate(self.models) if any(m is w for w in models)]
+
+    @property
+    def stats(self) -> GradientStats:
+        """The first model's gradient statistics."""
+        return self._stats[0]
+
+    @property
+    def events(self) -> list[TraceEvent]:
+        """Every watched model's overflow events, by step. No sync."""
+        return sorted((e for t in self._tracers for e in t.events), key=lambda e: e.step)
+
+    def before_step(self, step: int, grads_scaled_by: Any, models: list[torch.nn.Module] | None = None) -> None:
+        """Observe the gradients of ``models`` (default: all) about to be applied
+        (``grads_scaled_by``: the scale they carry)."""
+        for i in self._indices(models):
+            self._stats[i].observe(step, grads_are_scaled_by=grads_scaled_by)
+
+    def after_step(self, step: int, models: list[torch.nn.Module] | None = None) -> TraceEvent | None:
+        """Close the step for the tracers of ``models`` (default: all); returns the first event, if
+        any. Syncs while tracing."""
+        first = None
+        for i in self._indices(models):
+            if self._tracers[i].enabled:
+                event = self._tracers[i].end_step(step)
+                first = first or event
+        if first is not None:
+            self.last_event = first
+        return first
 
     def blame(self) -> str:
         """The tracer's culprit, in words (or why there is none)."""
         e = self.last_event
         if e is None:
-            return ("no module was traced as overflowing" if self.tracer.enabled
+            return ("no module was traced as overflowing" if self.config.trace_overflow
                     else "turn on trace_overflow to name the overflowing module")
         what = "output" if e.kind == "forward" else "gradient"
         return (f"the first overflow is in module `{e.module_path}` ({what} in {e.dtype}, max |x| = {e.max_abs:g}, "
                 f"step {e.step})")
 
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Every watched model's :meth:`GradientStats.summary` in one dict; the modules of the second
+        and later models are named ``model<i>.<path>``. Syncs."""
+        out: dict[str, dict[str, float]] = {}
+        for i, stats in enumerate(self._stats):
+            if stats.enabled:
+                out.update({(f"model{i}.{k}" if i else k): v for k, v in stats.summary().items()})
+        return out
+
     def log_values(self) -> dict[str, Any]:
-        """Values for a training log line: worst fp16 flush fractions and the last overflow. Syncs."""
+        """Values for a training log line: worst fp16 flush fractions and the last overflow. Syncs.
+
+        Modules of the second and later models are named ``model<i>.<path>``.
+        """
         out: dict[str, Any] = {}
-        if self.stats.enabled:
-            summary = self.stats.summary()
-            if summary:
-                worst = max(summary.items(), key=lambda kv: kv[1]["fp16_flush_unscaled"])
-                out["grad_fp16_flush"] = round(worst[1]["fp16_flush_unscaled"], 6)
-                out["grad_fp16_flush_at_scale"] = round(max(v["fp16_flush_at_scale"] for v in summary.values()), 6)
-                out["grad_fp16_flush_worst_module"] = worst[0]
-            self.stats.clear()
+        summary = self.summary()
+        for stats in self._stats:
+            stats.clear()
+        if summary:
+            worst = max(summary.items(), key=lambda kv: kv[1]["fp16_flush_unscaled"])
+            out["grad_fp16_flush"] = round(worst[1]["fp16_flush_unscaled"], 6)
+            out["grad_fp16_flush_at_scale"] = round(max(v["fp16_flush_at_scale"] for v in summary.values()), 6)
+            out["grad_fp16_flush_worst_module"] = worst[0]
         if self.last_event is not None:
             out["overflow_module"] = self.last_event.module_path
         return out
 
     def remove(self) -> None:
-        """Detach the tracer's hooks."""
-        self.tracer.remove()
+        """Detach the tracers' hooks."""
+        for t in self._tracers:
+            t.remove()

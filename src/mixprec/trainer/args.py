@@ -11,8 +11,7 @@ from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..optim import COMPENSATIONS, STATE_DTYPE_NAMES
-from ..precision import canonical_precision
+from ..precision import BF16TrueConfig, canonical_precision
 
 __all__ = ["TrainingArguments"]
 
@@ -114,8 +113,7 @@ class TrainingArguments:
             _one_of(name, getattr(self, name), _STRATEGIES)
         _one_of("optim", self.optim, _OPTIMIZERS)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
-        _one_of("bf16_true_compensation", self.bf16_true_compensation, COMPENSATIONS)
-        _one_of("bf16_true_state_dtype", self.bf16_true_state_dtype, tuple(STATE_DTYPE_NAMES))
+        self.bf16_true  # noqa: B018 - validates bf16_true_compensation and bf16_true_state_dtype
         for name in ("diagnostics_steps", "drift_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -181,6 +179,11 @@ class TrainingArguments:
             raise ValueError(f"max_grad_norm must be >= 0 (0 or None: no clipping), got {self.max_grad_norm!r}")
 
     # -- derived ---------------------------------------------------------------------------
+    @property
+    def bf16_true(self) -> BF16TrueConfig:
+        """bf16-true's optimizer options, validated (``bf16_true_compensation``, ``bf16_true_state_dtype``)."""
+        return BF16TrueConfig(compensation=self.bf16_true_compensation, state_dtype=self.bf16_true_state_dtype)
+
     @property
     def resolved_precision(self) -> str:
         """The precision name the run uses: ``precision``, else from ``fp16``/``bf16``, else ``"fp32"``."""

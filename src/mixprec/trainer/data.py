@@ -17,13 +17,14 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from ..data import collate
+from ..wrappers import original_forward
 
 __all__ = ["prepare_dataset", "model_input_names", "collate"]  # collate: re-exported from mixprec.data
 
 
 def model_input_names(model: torch.nn.Module) -> tuple[list[str], bool]:
     """The names ``model.forward`` accepts, and whether it takes ``**kwargs`` too."""
-    forward = getattr(model, "_mixprec_original_forward", model.forward)
+    forward = original_forward(model)
     params = inspect.signature(forward).parameters.values()
     names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     return names, any(p.kind is p.VAR_KEYWORD for p in params)

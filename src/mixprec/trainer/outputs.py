@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..wrappers import original_forward
+
 __all__ = ["call_model", "extract_loss", "extract_logits", "nested_concat", "to_numpy"]
 
 _UNEXPECTED = re.compile(r"unexpected keyword argument '(\w+)'")
@@ -32,7 +34,7 @@ def call_model(model: torch.nn.Module, inputs: Any, user_model: torch.nn.Module)
         m = _UNEXPECTED.search(text) or _MISSING.search(text)
         if m is None:
             raise
-        forward = getattr(user_model, "_mixprec_original_forward", user_model.forward)
+        forward = original_forward(user_model)
         sig = f"{type(user_model).__name__}.forward{inspect.signature(forward)}"
         have = ", ".join(inputs) if isinstance(inputs, Mapping) else f"{len(inputs)} positional values"
         what = (f"the batch has a column {m.group(1)!r} that {sig} does not accept"

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from ..accelerator import Accelerator
 from ..diagnostics import precision_drift
 from ..diagnostics.monitor import DiagnosticsConfig
+from ..wrappers import original_forward
 from .args import TrainingArguments
 from .callbacks import (
     CallbackHandler,
@@ -279,11 +280,11 @@ class Trainer:
     def _log_drift(self, model: torch.nn.Module, batch: Any) -> None:
         """This batch's loss in fp32 beside the run's precision: what the lower precision costs."""
         inner = self.accelerator.unwrap_model(model)
-        forward = getattr(inner, "_mixprec_original_forward", None)
+        forward = original_forward(inner)
 
         def loss_of(m: torch.nn.Module, b: Any) -> torch.Tensor:
-            # The model's own forward (not the autocast one), so the fp32 pass really is fp32.
-            return extract_loss(call_model(getattr(m, "_mixprec_original_forward", forward), b, inner))
+            # The model's own forward (not the precision's), so the fp32 pass really is fp32.
+            return extract_loss(call_model(original_forward(m) if m is not inner else forward, b, inner))
 
         d = precision_drift(inner, batch, loss_of, self.accelerator.autocast)
         self.log({"drift_loss_fp32": d["loss_fp32"], "drift_loss_mixed": d["loss_mixed"], "drift_rel": d["rel_diff"]})
@@ -354,11 +355,10 @@ class Trainer:
 
     def _read_scaler_into_state(self) -> dict[str, Any]:
         """Copy the loss scaler's skip count and scale into ``state`` (syncs); returns them for a log."""
-        scaler = self.accelerator.scaler
-        if scaler is None:
-            return {}
-        self.state.skipped_steps, self.state.loss_scale = scaler.skipped_steps, scaler.get_scale()
-        return {"loss_scale": self.state.loss_scale, "skipped_steps": self.state.skipped_steps}
+        values = self.accelerator.precision.log_values()  # empty where the precision has no scaler
+        self.state.loss_scale = values.get("loss_scale", self.state.loss_scale)
+        self.state.skipped_steps = values.get("skipped_steps", self.state.skipped_steps)
+        return values
 
     def log(self, logs: dict[str, Any]) -> None:
         """Record ``logs`` in ``state.log_history`` and hand them to the callbacks (``on_log``)."""

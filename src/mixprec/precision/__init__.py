@@ -1,0 +1,36 @@
+"""Precision: the names, the policies they stand for, and one plugin per precision family.
+
+``resolve_precision(name)`` gives the :class:`PrecisionPolicy` (what a precision is);
+``make_plugin(name, device)`` gives the :class:`PrecisionPlugin` (what it does): ``fp32``,
+``mixed`` (fp16/bf16 autocast and the loss scaler's lifecycle) and ``bf16_true``.
+"""
+
+from .base import PrecisionPlugin, PrecisionPolicy
+from .bf16_true import BF16TrueConfig, BF16TruePrecision
+from .fp32 import FP32Precision
+from .mixed import MixedPrecision
+from .names import (
+    CANONICAL_PRECISIONS,
+    PrecisionPerformanceWarning,
+    canonical_precision,
+    make_plugin,
+    policy_for,
+    precision_names,
+    resolve_precision,
+)
+
+__all__ = [
+    "BF16TrueConfig",
+    "BF16TruePrecision",
+    "CANONICAL_PRECISIONS",
+    "FP32Precision",
+    "MixedPrecision",
+    "PrecisionPerformanceWarning",
+    "PrecisionPlugin",
+    "PrecisionPolicy",
+    "canonical_precision",
+    "make_plugin",
+    "policy_for",
+    "precision_names",
+    "resolve_precision",
+]

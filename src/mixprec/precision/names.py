@@ -1,0 +1,176 @@
+"""Precision names: the one table of them, and the one function that resolves a name.
+
+``resolve_precision`` turns a name into a :class:`PrecisionPolicy`; ``make_plugin`` turns it into
+the plugin that carries the precision out. Adding a precision is one row here and one plugin file.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..hardware import choose_auto, detect_capability
+from .base import PrecisionPlugin, PrecisionPolicy
+from .bf16_true import BF16TruePrecision
+from .fp32 import FP32Precision
+from .mixed import MixedPrecision
+
+__all__ = [
+    "PrecisionPerformanceWarning",
+    "resolve_precision",
+    "make_plugin",
+    "policy_for",
+    "precision_names",
+    "canonical_precision",
+    "CANONICAL_PRECISIONS",
+]
+
+
+class PrecisionPerformanceWarning(UserWarning):
+    """A precision that works here but is emulated, so it will be slow."""
+
+
+@dataclass(frozen=True)
+class _Row:
+    aliases: tuple[str, ...]
+    plugin: type[PrecisionPlugin]
+    compute_dtype: torch.dtype
+    param_dtype: torch.dtype
+    autocast_enabled: bool
+    needs_loss_scaler: bool
+
+
+_f32, _f16, _b16 = torch.float32, torch.float16, torch.bfloat16
+# canonical name: aliases, plugin, compute dtype, parameter dtype, autocast, loss scaler.
+_TABLE: dict[str, _Row] = {
+    "fp32": _Row(("no", "32", "32-true", "fp32-true"), FP32Precision, _f32, _f32, False, False),
+    "fp16-mixed": _Row(("fp16", "16", "16-mixed"), MixedPrecision, _f16, _f32, True, True),
+    "bf16-mixed": _Row(("bf16",), MixedPrecision, _b16, _f32, True, False),
+    "bf16-true": _Row((), BF16TruePrecision, _b16, _b16, False, False),
+}
+CANONICAL_PRECISIONS = (*_TABLE, "auto")
+_ALIASES = {alias: canon for canon, row in _TABLE.items() for alias in (canon, *row.aliases)} | {"auto": "auto"}
+
+
+def precision_names() -> dict[str, list[str]]:
+    """Canonical precision name -> the aliases accepted for it (the canonical name included)."""
+    out: dict[str, list[str]] = {c: [] for c in CANONICAL_PRECISIONS}
+    for alias, canon in _ALIASES.items():
+        out[canon].append(alias)
+    return out
+
+
+def _valid_names_text() -> str:
+    return "; ".join(
+        f"{canon}" + (f" (aliases: {', '.join(a for a in al if a != canon)})" if len(al) > 1 else "")
+        for canon, al in precision_names().items()
+    )
+
+
+def check_concrete(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a concrete canonical name (what a policy holds)."""
+    if name not in _TABLE:
+        raise ValueError(
+            f"PrecisionPolicy.name must be a concrete canonical name, got {name!r}; "
+            f"build policies with resolve_precision(name). Valid names: {_valid_names_text()}"
+        )
+
+
+def canonical_precision(name: object) -> str:
+    """The canonical name for a precision name or alias (``"auto"`` stays ``"auto"``).
+
+    Raises:
+        ValueError: for an unknown name, listing every valid name and alias.
+    """
+    if isinstance(name, bool) or not isinstance(name, (str, int)):
+        raise ValueError(
+            f"precision must be a name (str), got {type(name).__name__} {name!r}. Valid names: {_valid_names_text()}"
+        )
+    key = str(name).strip().lower()
+    if key not in _ALIASES:
+        raise ValueError(f"unknown precision {name!r}. Valid names: {_valid_names_text()}")
+    return _ALIASES[key]
+
+
+def resolve_precision(name: str | PrecisionPolicy, device: str | torch.device | None = None) -> PrecisionPolicy:
+    """Turn a precision name (or alias) into a :class:`PrecisionPolicy` for ``device``.
+
+    ``"auto"`` picks the fastest safe precision the device offers and records why in
+    ``policy.reason``. A precision that works but is emulated on ``device`` (bf16 without native
+    support, fp16 on a CPU without AMX-FP16) warns once with a
+    :class:`PrecisionPerformanceWarning` that names the missing instruction set or capability.
+
+    Args:
+        name: a canonical name or alias (see the table in the README), or a policy (returned as is).
+        device: the device the run will use; ``None`` means the default device. Only needed to
+            resolve ``"auto"`` and to warn about emulation.
+
+    Raises:
+        ValueError: for an unknown name, listing every valid name and alias; for a precision the
+            device cannot run at all.
+
+    Example:
+        >>> resolve_precision("fp16").name
+        'fp16-mixed'
+    """
+    if isinstance(name, PrecisionPolicy):
+        return name
+    canon = canonical_precision(name)
+    requested = str(name)
+    reason = ""
+    cap = detect_capability(device)
+    if canon == "auto":
+        canon, reason = choose_auto(cap)
+    support = cap.support.get(canon, "native")
+    if support == "unsupported":
+        raise ValueError(
+            f"precision {canon!r} is not supported on {cap.device}: {cap.reasons.get(canon, '')}. "
+            "Use 'fp32', or 'auto' to pick the fastest precision this device offers."
+        )
+    if support == "emulated":
+        # The warnings machinery shows a given message once per call site, which is the
+        # "warn once" we want without a global registry of our own.
+        warnings.warn(
+            f"{canon} on {cap.device} works but will be slow: {cap.reasons.get(canon, 'it is emulated here')}. "
+            "Use precision='auto' for the fastest choice on this device.",
+            PrecisionPerformanceWarning,
+            stacklevel=2,
+        )
+    return policy_for(canon, requested=requested, reason=reason)
+
+
+def policy_for(name: str, *, requested: str = "", reason: str = "") -> PrecisionPolicy:
+    """The policy of a name or alias as the table gives it, whatever the device (no warning;
+    ``"auto"`` is refused: it depends on the device, see :func:`resolve_precision`).
+
+    Example:
+        >>> policy_for("fp16").compute_dtype
+        torch.float16
+    """
+    canon = canonical_precision(name)
+    check_concrete(canon)
+    row = _TABLE[canon]
+    return PrecisionPolicy(name=canon, requested=requested or str(name), reason=reason,
+                           compute_dtype=row.compute_dtype, param_dtype=row.param_dtype, optimizer_state_dtype=_f32,
+                           autocast_enabled=row.autocast_enabled, needs_loss_scaler=row.needs_loss_scaler)
+
+
+def make_plugin(precision: str | PrecisionPolicy, device: str | torch.device, **options: Any) -> PrecisionPlugin:
+    """The plugin that carries out ``precision`` on ``device``.
+
+    Args:
+        precision: a name, alias or :class:`PrecisionPolicy`.
+        device: the device the run trains on.
+        **options: the plugin's options: ``loss_scaler`` (a :class:`~mixprec.LossScaler` or a dict
+            of its arguments; refused by precisions that need none), ``bf16_true`` (a
+            :class:`~mixprec.precision.BF16TrueConfig`).
+
+    Example:
+        >>> type(make_plugin("bf16", "cpu")).__name__
+        'MixedPrecision'
+    """
+    policy = resolve_precision(precision, device)
+    return _TABLE[policy.name].plugin(policy, device, **options)
