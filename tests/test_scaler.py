@@ -370,3 +370,35 @@ def test_seed_plain_pytorch_snippet_runs_with_loss_scaler_and_loss_falls():
         assert outputs.logits.dtype == torch.float16
     assert scaler.is_enabled() and scaler.total_steps == len(train_dataloader)
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+
+
+def test_torch_grad_scaler_private_contract_that_loss_scaler_overrides_still_holds():
+    # LossScaler overrides GradScaler._maybe_opt_step (to keep the found-inf read on the host) and
+    # reads its per-optimizer states (is_unscaled, has_stepped, found_inf). torch's main branch
+    # already changed what _maybe_opt_step returns: this fails, naming the version, when they change.
+    import inspect
+
+    from torch.amp.grad_scaler import GradScaler, OptState
+
+    where = f"torch {torch.__version__}: GradScaler"
+    params = list(inspect.signature(GradScaler._maybe_opt_step).parameters)
+    assert params == ["self", "optimizer", "optimizer_state", "args", "kwargs"], \
+        f"{where}._maybe_opt_step's signature changed to {params}; update mixprec.scaler.LossScaler._maybe_opt_step"
+    assert "_maybe_opt_step" in inspect.getsource(GradScaler.step), \
+        f"{where}.step no longer calls _maybe_opt_step; LossScaler's host-side found-inf answer is never set"
+    assert {s.name for s in OptState} >= {"READY", "UNSCALED", "STEPPED"}, f"{where}'s OptState changed"
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    state = scaler._per_optimizer_states[id(opt)]
+    assert set(state) == {"stage", "found_inf_per_device"}, f"{where}'s per-optimizer state is now {set(state)}"
+    assert not scaler.is_unscaled(opt)
+    out = scaler.step(opt)
+    assert out is None and scaler.has_stepped(opt) and scaler.is_unscaled(opt)
+    flag, on_host = scaler.found_inf(opt)
+    assert flag is not None and float(flag) == 0.0 and on_host is False, \
+        f"{where}.step did not go through LossScaler._maybe_opt_step (the host's answer is {on_host!r})"
+    scaler.update()
+    assert not scaler.has_stepped(opt) and scaler.found_inf(opt) == (None, None)

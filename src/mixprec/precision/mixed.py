@@ -197,6 +197,9 @@ class MixedPrecision(PrecisionPlugin):
         flag = self._flags.get(id(optimizer))
         if flag is None or flag[0] is None:
             return False
+        if flag[1] is None and len(self._optimizers) == 1:
+            # Its iteration's own answer: known on the host after a collapse check's read.
+            flag[1] = not self._scaler.last_step_applied
         if flag[1] is None:
             flag[1] = bool(flag[0].item())
         return flag[1]

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from .outputs import call_model, extract_logits, extract_loss, nested_concat, to_numpy
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .trainer import Trainer
 
 __all__ = ["EvalPrediction", "PredictionOutput", "evaluation_loop"]
 
@@ -28,15 +27,28 @@ class PredictionOutput(NamedTuple):
     metrics: dict[str, float]
 
 
-def evaluation_loop(trainer: Trainer, dl: Any, ignore_keys: list[str] | None, prefix: str) -> PredictionOutput:
-    """Run ``dl`` through the trainer's model without gradients; metrics are named ``{prefix}_...``."""
+class Evaluated(Protocol):
+    """What the loop reads of the Trainer (its public attributes, so this module needs no Trainer)."""
+
+    accelerator: Any
+    model: torch.nn.Module
+    model_wrapped: torch.nn.Module
+    label_names: list[str]
+    compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None
+    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None
+
+
+def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, prefix: str,
+                    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> PredictionOutput:
+    """Run ``dl`` through the trainer's model without gradients, each batch inside ``context()``;
+    metrics are named ``{prefix}_...``."""
     acc, model = trainer.accelerator, trainer.model_wrapped
     was_training = model.training
     model.eval()
     losses, preds, labels = [], [], []
     start, n = time.time(), 0
     for inputs in dl:
-        with torch.no_grad(), trainer._eval_autocast():
+        with torch.no_grad(), context():
             outputs = call_model(model, inputs, trainer.model)
         bs = _batch_size(inputs)
         loss = extract_loss(outputs)

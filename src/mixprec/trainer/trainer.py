@@ -428,7 +428,7 @@ class Trainer:
             for name, part in ds.items():
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
-        out = evaluation_loop(self, self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix)
+        out = evaluation_loop(self, self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix, self._eval_autocast)
         self.log(out.metrics)
         self._event("on_evaluate", metrics=out.metrics)
         return out.metrics
@@ -436,7 +436,8 @@ class Trainer:
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (numpy), labels (where present) and metrics on ``test_dataset``."""
-        out = evaluation_loop(self, self.get_eval_dataloader(test_dataset), ignore_keys, metric_key_prefix)
+        out = evaluation_loop(self, self.get_eval_dataloader(test_dataset), ignore_keys, metric_key_prefix,
+                              self._eval_autocast)
         self._event("on_predict", metrics=out.metrics)
         return out
 
