@@ -164,7 +164,7 @@ def test_clip_grad_value_unscales_first():
     assert model.weight.grad.abs().max() <= 1.0 and model.weight.grad.abs().max() > 0.5
 
 
-def test_prepare_returns_objects_in_order_and_rejects_unknown_types():
+def test_prepare_returns_objects_in_order_and_passes_others_through():
     acc = Accelerator(cpu=True)
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -173,8 +173,11 @@ def test_prepare_returns_objects_in_order_and_rejects_unknown_types():
     out = acc.prepare(sched, dl, opt, model)
     assert out[3] is model and out[2].optimizer is opt and out[1].dataset is dl.dataset
     assert out[0].scheduler is sched
-    with pytest.raises(TypeError, match=r"cannot prepare a builtins\.dict.*torch\.nn\.Module"):
-        acc.prepare({"not": "preparable"})
+    other = {"not": "preparable"}
+    again = acc.prepare(other, None, out[3], out[2])  # as Accelerate: others unchanged, no double wrap
+    assert again[0] is other and again[1] is None and again[2] is out[3] and again[3] is out[2]
+    assert len(acc.prepared.models) == 1 and len(acc.prepared.optimizers) == 1
+    assert out[3]._is_accelerate_prepared and not hasattr(other, "_is_accelerate_prepared")
 
 
 def test_bad_arguments_say_the_fix():

@@ -30,15 +30,19 @@ def run_script(out, *args, expect_kill=False):
     return proc
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_save_kill_load_continue_equals_an_uninterrupted_run_bit_for_bit(tmp_path, precision):
+@pytest.mark.parametrize("precision,resume", [("fp32", "skip_first_batches"), ("fp16", "skip_first_batches"),
+                                              ("fp16", "stateful")])
+def test_save_kill_load_continue_equals_an_uninterrupted_run_bit_for_bit(tmp_path, precision, resume):
+    """Accelerate's default (the loop skips the batches it saw) and the stateful dataloader
+    (load_state resumes at the next batch, the loop skips nothing) both resume bit for bit."""
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir()
     part.mkdir()
-    run_script(full, "--precision", precision)
-    run_script(part, "--precision", precision, "--save-at", "13", "--kill", expect_kill=True)
+    flags = ["--precision", precision] + (["--stateful"] if resume == "stateful" else [])
+    run_script(full, *flags)
+    run_script(part, *flags, "--save-at", "13", "--kill", expect_kill=True)
     assert not (part / "final.safetensors").exists()  # it really died
-    run_script(part, "--precision", precision, "--resume", str(part / "ckpt"))
+    run_script(part, *flags, "--resume", str(part / "ckpt"))
     a = safetensors.torch.load_file(str(full / "final.safetensors"))
     b = safetensors.torch.load_file(str(part / "final.safetensors"))
     assert a.keys() == b.keys()

@@ -6,7 +6,9 @@ Three tiers, each built on the one before: plain PyTorch with :class:`LossScaler
 
 from . import diagnostics
 from .accelerator import Accelerator
-from .checkpoint import CheckpointError
+from .accelerator_state import DistributedType
+from .checkpoint import CheckpointError, CheckpointNotFoundError
+from .configs import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
 from .hardware import DeviceCapability, detect_capability
 from .precision import PrecisionPerformanceWarning, PrecisionPolicy, precision_names, resolve_precision
 from .scaler import LossScaleCollapse, LossScaler
@@ -28,6 +30,11 @@ __version__ = "0.1.0"
 __all__ = [
     "Accelerator",
     "CheckpointError",
+    "CheckpointNotFoundError",
+    "DataLoaderConfiguration",
+    "DistributedType",
+    "GradientAccumulationPlugin",
+    "ProjectConfiguration",
     "DeviceCapability",
     "EarlyStoppingCallback",
     "GPT",

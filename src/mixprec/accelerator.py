@@ -8,24 +8,35 @@ different precisions may live in one process), and fp16 on the CPU is real.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from . import distributed as D
+from .accelerator_state import AcceleratorState, DistributedType, GradientState
+from .configs import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, coerce_config
 from .data import PreparedDataLoader
 from .diagnostics.monitor import DiagnosticsConfig, Monitor
 from .fallback import fallback_target, log_fallback
 from .hardware import default_device
 from .precision import BF16TrueConfig, PrecisionPlugin, PrecisionPolicy, make_plugin, resolve_precision
+from .process_api import ProcessAPI
 from .scaler import LossScaleCollapse, LossScaler
-from .state import PreparedObjects, load_accelerator_state, save_accelerator_state
+from .state import (
+    PreparedObjects,
+    StateHooks,
+    load_accelerator_state,
+    resolve_load_dir,
+    resolve_save_dir,
+    save_accelerator_state,
+    save_model_weights,
+)
 from .wrappers import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
@@ -33,12 +44,12 @@ from .wrappers import (
     patch_forward,
     unpatch_forward,
     unwrap,
+    unwrap_keeping_compile,
 )
 
 __all__ = ["Accelerator"]
 
 _ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
-_SUPPORTED = "torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.utils.data.DataLoader"
 
 
 def _kind(obj: Any) -> str | None:
@@ -56,7 +67,7 @@ def _kind(obj: Any) -> str | None:
     return None
 
 
-class Accelerator:
+class Accelerator(ProcessAPI):
     """Mixed precision, device placement and several processes for a training loop you write.
 
     Args:
@@ -82,6 +93,16 @@ class Accelerator:
         on_loss_scale_collapse: ``"raise"`` (default) lets :class:`~mixprec.LossScaleCollapse`
             through; ``"fallback"`` switches the run to bf16-mixed where bf16 is native (else
             fp32), says so in one log line naming the module the tracer blames, and continues.
+        split_batches, dataloader_config: how prepared dataloaders behave, a
+            :class:`~mixprec.DataLoaderConfiguration` (Accelerate's own is accepted too).
+        project_dir, project_config: the run's folder and checkpoint naming, a
+            :class:`~mixprec.ProjectConfiguration` (or Accelerate's).
+        gradient_accumulation_plugin: a :class:`~mixprec.GradientAccumulationPlugin` instead of
+            ``gradient_accumulation_steps`` (not both).
+        step_scheduler_with_optimizer: a prepared scheduler steps with its optimizer, as many
+            times per call as there are processes (a schedule written for one process's count
+            of batches then ends on time), unless ``split_batches``. ``False``: it steps once
+            per call, whatever the optimizer did (a schedule stepped per epoch).
 
     Example:
         >>> acc = Accelerator(mixed_precision="bf16", cpu=True)
@@ -97,7 +118,20 @@ class Accelerator:
                  ddp_comm_hook: str | None = None, diagnostics: DiagnosticsConfig | dict | None = None,
                  on_loss_scale_collapse: str = "raise", compile: bool | dict = False,
                  bf16_true_compensation: str = "kahan",
-                 bf16_true_state_dtype: torch.dtype | str = torch.float32) -> None:
+                 bf16_true_state_dtype: torch.dtype | str = torch.float32, *, split_batches: bool = False,
+                 dataloader_config: DataLoaderConfiguration | None = None, project_dir: str | os.PathLike | None = None,
+                 project_config: ProjectConfiguration | None = None,
+                 gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+                 step_scheduler_with_optimizer: bool = True) -> None:
+        plugin = gradient_accumulation_plugin
+        if plugin is not None:
+            plugin = coerce_config(plugin, GradientAccumulationPlugin, "gradient_accumulation_plugin")
+            if gradient_accumulation_steps != 1:
+                raise ValueError("give gradient_accumulation_steps or gradient_accumulation_plugin, not both: "
+                                 "set num_steps in the plugin")
+            gradient_accumulation_steps = plugin.num_steps if plugin.num_steps is not None else 1
+        else:
+            plugin = GradientAccumulationPlugin(num_steps=gradient_accumulation_steps)
         if not isinstance(gradient_accumulation_steps, int) or isinstance(gradient_accumulation_steps, bool) \
                 or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
@@ -111,23 +145,37 @@ class Accelerator:
         self.bf16_true = BF16TrueConfig(compensation=bf16_true_compensation, state_dtype=bf16_true_state_dtype)
         self.diagnostics = DiagnosticsConfig.coerce(diagnostics)
         self.on_loss_scale_collapse = on_loss_scale_collapse
+        self.dataloader_config = coerce_config(dataloader_config, DataLoaderConfiguration, "dataloader_config")
+        self.dataloader_config.split_batches = self.dataloader_config.split_batches or split_batches
+        self.project_configuration = coerce_config(project_config, ProjectConfiguration, "project_config")
+        if project_dir is not None and self.project_configuration.project_dir is None:
+            self.project_configuration.set_directories(project_dir)
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         device = torch.device("cpu") if cpu else default_device()
         self._process = D.init_from_env(device.type)
         if device.type == "cuda":
             device = torch.device("cuda", self._process.local_rank)
             torch.cuda.set_device(device)
-        self.device = device
-        policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", device)
+        if os.environ.get("ACCELERATE_TORCH_DEVICE"):  # Accelerate's override of the device
+            device = torch.device(os.environ["ACCELERATE_TORCH_DEVICE"])
+        if self.dataloader_config.split_batches and self._process.world_size > 1:
+            raise NotImplementedError("split_batches=True with several processes is not supported yet: each process "
+                                      "draws its own batches; divide the batch size by the number of processes instead")
+        #: Who this process is (Accelerate's ``accelerator.state``; this Accelerator's own, not global).
+        self.state = AcceleratorState(self, device)
+        #: Gradient accumulation as the loop sees it (Accelerate's ``accelerator.gradient_state``).
+        self.gradient_state = GradientState(gradient_accumulation_steps, plugin.adjust_scheduler,
+                                            plugin.sync_with_dataloader, plugin.sync_each_batch)
+        policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", self.device)
         #: What the run's precision does (read at call time by the prepared models and optimizers).
-        self.precision: PrecisionPlugin = make_plugin(policy, device, loss_scaler=loss_scaler, bf16_true=self.bf16_true)
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.precision: PrecisionPlugin = make_plugin(policy, self.device, loss_scaler=loss_scaler,
+                                                      bf16_true=self.bf16_true)
         self.device_placement = device_placement
         self.ddp_comm_hook = ddp_comm_hook
         self.step = 0  # micro-batches seen by accumulate(), as Accelerate counts them
-        self.sync_gradients = True
         #: Everything prepared (and registered for checkpointing), in order; what save_state writes.
         self.prepared = PreparedObjects()
-        self._active_dataloaders: list[PreparedDataLoader] = []
+        self._state_hooks = StateHooks()
         self._optimizer_hooks = OptimizerHooks(step=self._step_optimizer, zero_grad=self._zero_grad,
                                                precision=self._current_precision)
         self.monitor: Monitor | None = None
@@ -136,6 +184,51 @@ class Accelerator:
 
     def _current_precision(self) -> PrecisionPlugin:
         return self.precision
+
+    @property
+    def device(self) -> torch.device:
+        """The device models and batches are put on."""
+        return self.state.device
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (settable)."""
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        self.gradient_state.num_steps = value
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether this micro-batch completes an accumulation group (the optimizer steps)."""
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = value
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def project_dir(self) -> str | None:
+        """The run's folder (``project_dir=``, or the project configuration's)."""
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """The number the next automatically named checkpoint gets."""
+        return self.project_configuration.iteration
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type
 
     @property
     def policy(self) -> PrecisionPolicy:
@@ -168,26 +261,18 @@ class Accelerator:
     def _custom_objects(self) -> list[Any]:
         return self.prepared.custom
 
-    # -- who am I -----------------------------------------------------------------------
+    # -- who am I (read from self.state, as Accelerate's are) ----------------------------
     @property
     def num_processes(self) -> int:
-        return self._process.world_size
+        return self.state.num_processes
 
     @property
     def process_index(self) -> int:
-        return self._process.rank
+        return self.state.process_index
 
     @property
     def local_process_index(self) -> int:
-        return self._process.local_rank
-
-    @property
-    def is_main_process(self) -> bool:
-        return self._process.rank == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self._process.local_rank == 0
+        return self.state.local_process_index
 
     @property
     def mixed_precision(self) -> str:
@@ -196,53 +281,53 @@ class Accelerator:
 
     @property
     def use_distributed(self) -> bool:
-        return self._process.is_distributed
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        if self.is_local_main_process:
-            print(*args, **kwargs)
-
-    def wait_for_everyone(self) -> None:
-        """A barrier across processes (a no-op in one process)."""
-        D.barrier()
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """Run the body on the main process first, then on the others (e.g. to build a cache once)."""
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
+        return self.state.use_distributed
 
     # -- prepare --------------------------------------------------------------------------
-    def prepare(self, *objects: Any) -> Any:
+    def prepare(self, *objects: Any, device_placement: list[bool | None] | None = None) -> Any:
         """Wrap models, optimizers, schedulers and dataloaders; returns them in the order given.
 
-        Raises:
-            TypeError: for an object of any other type, naming the supported ones.
+        Anything else (``None``, a list, a tokenizer) comes back unchanged, as in Accelerate; an
+        object prepared already comes back as it is. ``device_placement`` (one entry per object)
+        overrides the Accelerator's for the models among them.
         """
+        self.state.num_processes  # noqa: B018 - after state._reset_state() this says so, early
+        if device_placement is not None and len(device_placement) != len(objects):
+            raise ValueError(f"device_placement has {len(device_placement)} entries for {len(objects)} objects")
         kinds = [_kind(obj) for obj in objects]
-        for obj, kind in zip(objects, kinds):
-            if kind is None:
-                raise TypeError(f"Accelerator.prepare() cannot prepare a {type(obj).__module__}.{type(obj).__name__}; "
-                                f"it prepares {_SUPPORTED}")
-        prepare = {"model": self.prepare_model, "optimizer": self.prepare_optimizer,
-                   "dataloader": self.prepare_data_loader, "scheduler": self.prepare_scheduler}
         out: list[Any] = list(objects)
         # Models before optimizers (bf16-true casts the parameters the optimizer holds), and
         # schedulers last, since they must find their prepared optimizer.
         for wanted in ("model", "optimizer", "dataloader", "scheduler"):
             for i, (obj, kind) in enumerate(zip(objects, kinds)):
-                if kind == wanted:
-                    out[i] = prepare[kind](obj)
+                if kind != wanted or getattr(obj, "_is_accelerate_prepared", False):
+                    continue
+                if kind == "model":
+                    out[i] = self.prepare_model(obj, device_placement[i] if device_placement else None)
+                else:
+                    out[i] = {"optimizer": self.prepare_optimizer, "dataloader": self.prepare_data_loader,
+                              "scheduler": self.prepare_scheduler}[kind](obj)
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _mark_prepared(self, obj: Any) -> Any:
+        try:
+            obj._is_accelerate_prepared = True  # Accelerate's mark, read by its users and by prepare()
+        except AttributeError:  # pragma: no cover - objects with __slots__
+            pass
+        return obj
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
         """Move ``model`` to the device, convert it for the precision (bf16 parameters for
         bf16-true), run its forward in the current precision, and wrap it in
-        ``DistributedDataParallel`` when several processes run."""
+        ``DistributedDataParallel`` when several processes run. A model prepared already is
+        returned as it is."""
+        if any(model is m for m in self.prepared.models):
+            return model
+        if getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False):
+            device_map = getattr(model, "hf_device_map", None) or {}
+            if any(d in ("cpu", "disk") for d in device_map.values()):
+                raise ValueError("a model quantized by bitsandbytes with CPU or disk offload cannot be trained: "
+                                 "load it wholly on the GPU (device_map={'': 0})")
         if device_placement if device_placement is not None else self.device_placement:
             model.to(self.device)
         self.precision.convert_module(model)
@@ -260,7 +345,7 @@ class Accelerator:
             # Compiled around the precision's forward, so autocast is traced into the graph.
             model = torch.compile(model, **(self.compile if isinstance(self.compile, dict) else {}))
         self.prepared.models.append(model)
-        return model
+        return self._mark_prepared(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         """Wrap ``optimizer`` so that ``step()`` goes through the precision plugin (bf16-true
@@ -271,15 +356,18 @@ class Accelerator:
         self.precision.track_optimizer(converted)
         wrapped = AcceleratedOptimizer(converted, self._optimizer_hooks, original=optimizer)
         self.prepared.optimizers.append(wrapped)
-        return wrapped
+        return self._mark_prepared(wrapped)
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        """Wrap ``scheduler`` so that it steps only when its optimizer's step was applied."""
+        """Wrap ``scheduler`` so that it steps only when its optimizer's step was applied (see
+        ``step_scheduler_with_optimizer``)."""
         optimizers = self.prepared.optimizers
         mine = [o for o in optimizers if scheduler.optimizer in (o.optimizer, o.original_optimizer)]
-        wrapped = AcceleratedScheduler(scheduler, mine or optimizers, lambda: self.sync_gradients)
+        per_call = 1 if self.split_batches else self.num_processes
+        wrapped = AcceleratedScheduler(scheduler, mine or optimizers, self.gradient_state,
+                                       step_with_optimizer=self.step_scheduler_with_optimizer, steps_per_call=per_call)
         self.prepared.schedulers.append(wrapped)
-        return wrapped
+        return self._mark_prepared(wrapped)
 
     def prepare_data_loader(self, dataloader: DataLoader, *, checkpoint: bool = True) -> PreparedDataLoader:
         """Batches on the device, and each process its own shard of every batch round.
@@ -293,14 +381,20 @@ class Accelerator:
         # drawn from torch's RNG (so torch.manual_seed decides it) only where a shuffle needs it.
         needs_seed = isinstance(dataloader.sampler, torch.utils.data.RandomSampler) and (
             dataloader.sampler.generator is None and dataloader.generator is None)
-        seed = D.broadcast_object(int(torch.randint(0, 2**62, (1,)).item())) if needs_seed else 0
+        config = self.dataloader_config
+        if config.data_seed is not None:
+            seed = int(config.data_seed)
+        else:
+            seed = D.broadcast_object(int(torch.randint(0, 2**62, (1,)).item())) if needs_seed else 0
         device = self.device if self.device_placement else None
         prepared = PreparedDataLoader(dataloader, device=device, world_size=self.num_processes, rank=self.process_index,
-                                      seed=seed, float_dtype=self.precision.input_dtype, on_iter=self._track_dataloader,
-                                      on_end=self._untrack_dataloader)
+                                      seed=seed, float_dtype=self.precision.input_dtype,
+                                      on_iter=self.gradient_state._add_dataloader,
+                                      on_end=self.gradient_state._remove_dataloader,
+                                      non_blocking=config.non_blocking, resume_position=config.use_stateful_dataloader)
         if checkpoint:
             self.prepared.dataloaders.append(prepared)
-        return prepared
+        return self._mark_prepared(prepared)
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """Start ``dataloader``'s next epoch at batch ``num_batches``, without loading the ones before.
@@ -316,10 +410,17 @@ class Accelerator:
         return dataloader
 
     def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and restore these objects (anything with ``state_dict``/``load_state_dict``) in ``save_state``."""
-        for obj in objects:
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"{type(obj).__name__} has no state_dict()/load_state_dict(); it cannot be checkpointed")
+        """Save and restore these objects (anything with ``state_dict``/``load_state_dict``) in ``save_state``.
+
+        Raises:
+            ValueError: listing every object (by its index) that has no ``state_dict``/``load_state_dict``.
+        """
+        bad = [f"- Item at index {i}, `{type(obj).__name__}`" for i, obj in enumerate(objects)
+               if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))]
+        if bad:
+            raise ValueError("All `objects` must include a `state_dict` and `load_state_dict` function to be stored; "
+                             "these do not (wrap a tensor in a torch.nn.Module, or register an object that has "
+                             "both):\n" + "\n".join(bad))
         self.prepared.custom.extend(objects)
 
     # -- the step ---------------------------------------------------------------------------
@@ -333,18 +434,9 @@ class Accelerator:
             loss = loss / self.gradient_accumulation_steps
         self.precision.backward(loss, **kwargs)
 
-    def _track_dataloader(self, dl: PreparedDataLoader) -> None:
-        if dl in self._active_dataloaders:
-            self._active_dataloaders.remove(dl)
-        self._active_dataloaders.append(dl)
-
-    def _untrack_dataloader(self, dl: PreparedDataLoader) -> None:
-        if dl in self._active_dataloaders:
-            self._active_dataloaders.remove(dl)
-
     @property
     def _end_of_dataloader(self) -> bool:
-        return bool(self._active_dataloaders) and self._active_dataloaders[-1].end_of_dataloader
+        return self.gradient_state.end_of_dataloader and self.gradient_state.sync_with_dataloader
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
@@ -360,10 +452,18 @@ class Accelerator:
             self.step += 1
             self.sync_gradients = self.step % self.gradient_accumulation_steps == 0
         with contextlib.ExitStack() as stack:
-            if not self.sync_gradients:
+            if not (self.sync_gradients or self.gradient_state.sync_each_batch):
                 for m in models:
-                    if isinstance(m, DistributedDataParallel):
-                        stack.enter_context(m.no_sync())
+                    stack.enter_context(self.no_sync(m))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """DDP's ``no_sync`` for a prepared model (gradients stay local); a no-op in one process."""
+        if isinstance(model, DistributedDataParallel):
+            with model.no_sync():
+                yield
+        else:
             yield
 
     def _optimizers_for(self, parameters: list[torch.Tensor]) -> list[torch.optim.Optimizer]:
@@ -472,7 +572,8 @@ class Accelerator:
     def gather_for_metrics(self, input_data: Any) -> Any:
         """:meth:`gather`, dropping the duplicates that padded the last uneven batch round."""
         data = D.gather(input_data)
-        remainder = self._active_dataloaders[-1].remainder if self._end_of_dataloader else 0
+        dl = self.gradient_state.active_dataloader
+        remainder = dl.remainder if (dl is not None and dl.end_of_dataloader) else 0
         if remainder:
             data = _truncate(data, remainder)
         return data
@@ -482,57 +583,116 @@ class Accelerator:
         return D.reduce(tensor, reduction)
 
     # -- models out ---------------------------------------------------------------------
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
-        """The user's own module: without DDP or ``torch.compile`` wrappers (and, with
-        ``keep_fp32_wrapper=False``, without the precision's forward)."""
-        model = unwrap(model)
-        return model if keep_fp32_wrapper else unpatch_forward(model)
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> torch.nn.Module:
+        """The user's module without the DDP wrapper; with ``keep_torch_compile=True`` (Accelerate's
+        default) a compiled model stays compiled around it, and with ``keep_fp32_wrapper=False``
+        its forward loses the precision's autocast."""
+        model = unwrap_keeping_compile(model) if keep_torch_compile else unwrap(model)
+        if not keep_fp32_wrapper:
+            unpatch_forward(unwrap(model))
+        return model
 
-    def get_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The unwrapped model's ``state_dict``."""
-        return self.unwrap_model(model).state_dict()
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict`` (of the user's module, without wrapper prefixes, when ``unwrap``)."""
+        return (self.unwrap_model(model, keep_torch_compile=False) if unwrap else model).state_dict()
 
-    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike) -> Path:
-        """Write ``model.safetensors`` into ``save_directory`` (main process only), atomically."""
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> Path:
+        """Write the model's weights into ``save_directory`` (main process only), atomically.
+
+        ``model.safetensors``, or ``pytorch_model.bin`` with ``safe_serialization=False`` (tensors
+        only: it loads with ``torch.load(weights_only=True)``); above ``max_shard_size`` (bytes,
+        or ``"500MB"``, ``"10GB"``) the weights are split into numbered shards with an index, in
+        the layout ``transformers``' and Accelerate's loaders read.
+        """
         path = Path(save_directory)
         if self.is_main_process:
-            path.mkdir(parents=True, exist_ok=True)
-            tmp = path / ".model.safetensors.tmp"
-            safetensors.torch.save_model(self.unwrap_model(model), str(tmp))
-            os.replace(tmp, path / "model.safetensors")
+            save_model_weights(unwrap(model), path, max_shard_size=max_shard_size,
+                               safe_serialization=safe_serialization)
         self.wait_for_everyone()
         return path
 
     # -- checkpoints -------------------------------------------------------------------
-    def save_state(self, output_dir: str | os.PathLike, *, extra_files: dict[str, str | bytes] | None = None) -> Path:
+    def register_save_state_pre_hook(self, hook: Any) -> Any:
+        """Call ``hook(models, weights, output_dir)`` before :meth:`save_state` writes.
+
+        ``weights`` are the models' state dicts; removing one from the list (with its model)
+        leaves that model to the hook. Files the hook writes into ``output_dir`` join the same
+        atomic write. Returns a handle whose ``remove()`` unregisters the hook.
+        """
+        return self._state_hooks.add_save(hook)
+
+    def register_load_state_pre_hook(self, hook: Any) -> Any:
+        """Call ``hook(models, input_dir)`` before :meth:`load_state` reads; removing a model from
+        the list leaves its weights to the hook. Returns a handle whose ``remove()`` unregisters it."""
+        return self._state_hooks.add_load(hook)
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
+                   extra_files: dict[str, str | bytes] | None = None) -> Path:
         """Write everything needed to continue bit for bit into ``output_dir``, atomically.
 
-        Model weights as safetensors; optimizer, scheduler, scaler, dataloader positions and
+        Model weights as safetensors (whatever ``safe_serialization`` says: the checkpoint is read
+        back only by :meth:`load_state`); optimizer, scheduler, scaler, dataloader positions and
         RNG states (one file per process) with ``torch.save``; a manifest with sizes and sha256.
-        The folder appears only when complete. ``extra_files`` (name -> text or bytes) join the
-        same atomic write (the Trainer puts ``trainer_state.json`` there). An iteration left open
-        (an optimizer stepped, another not yet) is closed first: gradients are not saved.
+        The folder appears only when complete. Without ``output_dir``, a project configuration
+        with ``automatic_checkpoint_naming`` names it ``checkpoints/checkpoint_<i>`` and, with
+        ``total_limit``, deletes the oldest once the new one is complete. ``extra_files`` (name ->
+        text or bytes) join the same atomic write (the Trainer puts ``trainer_state.json`` there).
+        An iteration left open (an optimizer stepped, another not yet) is closed first.
         """
+        final = resolve_save_dir(output_dir, self.project_configuration)
         self.precision.finish_iteration()
         meta = {"step": self.step, "precision": self.policy.name, "optimizer_steps": self.optimizer_steps,
                 "precision_fallback": bool(self.precision_fallbacks)}
-        return save_accelerator_state(Path(output_dir), self.prepared, self._process, self.precision.state_dict(),
-                                      meta, extra_files or {})
+        out = save_accelerator_state(final, self.prepared, self._process, self.precision.state_dict(), meta,
+                                     extra_files or {}, hooks=self._state_hooks)
+        if output_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            self.project_configuration.iteration += 1
+            if self.is_main_process:
+                self._state_hooks.rotate(self.project_configuration)
+            self.wait_for_everyone()
+        return out
 
-    def load_state(self, input_dir: str | os.PathLike) -> None:
+    def load_state(self, input_dir: str | os.PathLike | None = None, **load_kwargs: Any) -> None:
         """Restore what :meth:`save_state` wrote, after verifying every file against the manifest.
 
+        Without ``input_dir``, the newest automatically named checkpoint of the project. A
+        dataloader resumes at the start of the epoch that was running (the loop skips what it
+        has seen, e.g. with :meth:`skip_first_batches`), or, with
+        ``DataLoaderConfiguration(use_stateful_dataloader=True)``, at the next unseen batch.
+
         Raises:
+            FileNotFoundError: no checkpoint folder there (a :class:`~mixprec.CheckpointError`).
             CheckpointError: naming the file that is missing, truncated, altered, or that holds
                 anything but tensors (nothing in it is run).
         """
-        meta, precision_state = load_accelerator_state(Path(input_dir), self.prepared, self._process, self.device)
+        path = resolve_load_dir(input_dir, self.project_configuration)
+        meta, precision_state = load_accelerator_state(path, self.prepared, self._process, self.device,
+                                                       hooks=self._state_hooks)
         if meta.get("precision_fallback") and meta["precision"] != self.policy.name:
             self._switch_precision(meta["precision"])  # the run had fallen back: keep it so
             self.precision_fallbacks.append({"step": meta.get("optimizer_steps", 0), "to": meta["precision"]})
         self.precision.load_state_dict(precision_state)
         self.step = int(meta["step"])
         self.optimizer_steps = int(meta.get("optimizer_steps", 0))
+
+    def free_memory(self, *objects: Any) -> Any:
+        """Forget every prepared object, collect garbage and empty the device cache (between two
+        trainings in one process). Returns a list holding ``None`` for each object passed, to assign back."""
+        self.prepared = PreparedObjects()
+        self.precision.forget_optimizers()
+        self.gradient_state.dataloader_references.clear()
+        self.monitor = None
+        self.step = 0
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return [None] * len(objects)
+
+    def clear(self, *objects: Any) -> Any:
+        """Alias of :meth:`free_memory`."""
+        return self.free_memory(*objects)
 
     def end_training(self) -> None:
         """Release the process group, if several processes ran."""

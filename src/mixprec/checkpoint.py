@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "write_checkpoint", "verify_checkpoint", "load_tensor_file", "is_complete_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "write_checkpoint", "verify_checkpoint", "load_tensor_file", "is_complete_checkpoint"]
 
 MANIFEST = "manifest.json"
 FORMAT = "mixprec-checkpoint-1"
@@ -29,6 +29,10 @@ FORMAT = "mixprec-checkpoint-1"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, altered, or holds something other than tensors."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint folder where one was asked for (a ``FileNotFoundError``, as in Accelerate)."""
 
 
 def _sha256(path: Path) -> str:
@@ -126,7 +130,7 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"no checkpoint folder at {path}")
+        raise CheckpointNotFoundError(f"no checkpoint folder at {path}")
     try:
         with open(path / MANIFEST) as fh:
             manifest = json.load(fh)

@@ -126,16 +126,24 @@ class PreparedDataLoader:
     """
 
     def __init__(self, loader: DataLoader, *, device: torch.device | None, world_size: int = 1, rank: int = 0,
-                 seed: int = 0, float_dtype: torch.dtype | None = None, on_iter=None, on_end=None) -> None:
+                 seed: int = 0, float_dtype: torch.dtype | None = None, on_iter=None, on_end=None,
+                 non_blocking: bool | None = None, resume_position: bool = True) -> None:
         self.base_loader = loader
         self.device = device
         self.float_dtype = float_dtype
+        self.non_blocking = non_blocking
+        #: Whether ``load_state_dict`` resumes inside the epoch (else at the epoch's first batch).
+        self.resume_position = resume_position
+        self.seed = seed
         self._on_iter = on_iter
         self._on_end = on_end
         sampler = loader.sampler
         user_gen = loader.generator
         if user_gen is None and isinstance(sampler, RandomSampler):
             user_gen = sampler.generator
+        # Our own generator is re-seeded from (seed, epoch) at each epoch's start, so set_epoch(e)
+        # replays epoch e's order; a user's generator simply runs on, as it would without us.
+        self._own_generator = user_gen is None
         self.generator = user_gen if user_gen is not None else torch.Generator().manual_seed(seed)
         self.epoch = 0
         self.batches_yielded = 0
@@ -191,7 +199,8 @@ class PreparedDataLoader:
         return len(self._sharder) if self._sharder is not None else len(self.loader)
 
     def set_epoch(self, epoch: int) -> None:
-        """Forward the epoch to a sampler that wants it (``DistributedSampler``)."""
+        """Make ``epoch`` the next epoch (its shuffle order is the one that epoch had), and
+        forward it to a sampler that wants it (``DistributedSampler``)."""
         self.epoch = epoch
         for s in (getattr(self.base_loader, "sampler", None), getattr(self.base_loader, "batch_sampler", None)):
             if hasattr(s, "set_epoch"):
@@ -207,21 +216,26 @@ class PreparedDataLoader:
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: epochs started, batches yielded in this one, the epoch's RNG state."""
         if not self._in_epoch:  # between epochs: the next one starts from the generator as it is now
-            return {"epoch": self.epoch, "batches_yielded": 0, "generator_state": self.generator.get_state()}
+            return {"epoch": self.epoch, "batches_yielded": 0, "generator_state": self.generator.get_state(),
+                    "seed": self.seed}
         return {"epoch": self.epoch, "batches_yielded": self.batches_yielded,
-                "generator_state": self._epoch_start_state.clone()}
+                "generator_state": self._epoch_start_state.clone(), "seed": self.seed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue where :meth:`state_dict` was taken: same shuffle order, at the next batch."""
+        """Continue where :meth:`state_dict` was taken: the same shuffle order, at the next batch
+        (with ``resume_position``) or at the first batch of the epoch that was running."""
         self.epoch = int(state["epoch"])
+        self.seed = int(state.get("seed", self.seed))
         self.generator.set_state(state["generator_state"])
-        self.skip_batches(int(state["batches_yielded"]))
+        self.skip_batches(int(state["batches_yielded"]) if self.resume_position else 0)
 
     def __iter__(self) -> Iterator[Any]:
         if self._on_iter is not None:
             self._on_iter(self)
         # Restored by load_state_dict(), or simply where the last epoch left it: the state from
         # which this epoch's shuffle order (and the workers' base seed) will be drawn.
+        if self._own_generator:
+            self.generator.manual_seed(self.seed + self.epoch)
         self._epoch_start_state = self.generator.get_state()
         skip, self._skip = self._skip, 0
         if self._sharder is not None:
@@ -253,7 +267,8 @@ class PreparedDataLoader:
     def _move(self, batch: Any) -> Any:
         if self.device is None:
             return batch
-        return send_to_device(batch, self.device, non_blocking=self.device.type == "cuda", float_dtype=self.float_dtype)
+        non_blocking = self.device.type == "cuda" if self.non_blocking is None else self.non_blocking
+        return send_to_device(batch, self.device, non_blocking=non_blocking, float_dtype=self.float_dtype)
 
 
 _END = object()

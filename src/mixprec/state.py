@@ -8,18 +8,30 @@ and precision (a precision fallback survives a resume).
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import re
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import safetensors.torch
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint as ckpt
 from . import distributed as D
+from .configs import ProjectConfiguration
 from .wrappers import unwrap
 
-__all__ = ["PreparedObjects", "save_accelerator_state", "load_accelerator_state"]
+__all__ = ["PreparedObjects", "StateHooks", "load_accelerator_state", "resolve_load_dir", "resolve_save_dir",
+           "save_accelerator_state", "save_model_weights"]
+
+log = logging.getLogger("mixprec")
 
 
 @dataclass
@@ -41,41 +53,174 @@ class PreparedObjects:
                 "custom": self.custom}
 
 
+class StateHooks:
+    """The hooks registered with ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``."""
+
+    def __init__(self) -> None:
+        self.save: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self.load: OrderedDict[int, Callable[..., None]] = OrderedDict()
+
+    def add_save(self, hook: Callable[..., None]) -> RemovableHandle:
+        handle = RemovableHandle(self.save)
+        self.save[handle.id] = hook
+        return handle
+
+    def add_load(self, hook: Callable[..., None]) -> RemovableHandle:
+        handle = RemovableHandle(self.load)
+        self.load[handle.id] = hook
+        return handle
+
+    @staticmethod
+    def rotate(project: ProjectConfiguration) -> None:
+        """Delete the oldest automatically named checkpoints beyond ``total_limit`` (after a save
+        completed, so the newest complete one is never among them)."""
+        if project.total_limit is None:
+            return
+        done = project.numbered_checkpoints()
+        for old in done[: max(0, len(done) - project.total_limit)]:
+            log.warning("mixprec: deleting %s (total_limit=%d)", old, project.total_limit)
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_save_dir(output_dir: str | os.PathLike | None, project: ProjectConfiguration) -> Path:
+    """Where ``save_state(output_dir)`` writes: ``output_dir``, else the next automatically named checkpoint."""
+    if output_dir is not None:
+        return Path(output_dir).expanduser()
+    if not project.automatic_checkpoint_naming:
+        raise ValueError("save_state() needs an output_dir, or a project with automatic checkpoint naming: "
+                         "Accelerator(project_config=ProjectConfiguration(project_dir=..., "
+                         "automatic_checkpoint_naming=True))")
+    final = project.checkpoints_dir / f"checkpoint_{project.iteration}"
+    if final.exists():
+        raise ValueError(f"checkpoint folder {final} ({project.iteration}) already exists: set "
+                         "ProjectConfiguration(iteration=...) to the number the next checkpoint should get")
+    return final
+
+
+def resolve_load_dir(input_dir: str | os.PathLike | None, project: ProjectConfiguration) -> Path:
+    """Where ``load_state(input_dir)`` reads: ``input_dir``, else the newest automatically named checkpoint."""
+    if input_dir is not None:
+        path = Path(input_dir).expanduser()
+        if not path.is_dir():
+            raise ckpt.CheckpointNotFoundError(f"no checkpoint folder at {path}")
+        return path
+    if not project.automatic_checkpoint_naming:
+        raise ValueError("load_state() needs an input_dir, or a project with automatic checkpoint naming")
+    done = [p for p in project.numbered_checkpoints() if ckpt.is_complete_checkpoint(p)]
+    if not done:
+        raise ckpt.CheckpointNotFoundError(f"no complete checkpoint under {project.checkpoints_dir}")
+    return done[-1]
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(size), re.I)
+    if not m:
+        raise ValueError(f"max_shard_size must be bytes or like '500MB' / '10GB', got {size!r}")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def save_model_weights(model: torch.nn.Module, directory: Path, *, max_shard_size: int | str = "10GB",
+                       safe_serialization: bool = True) -> None:
+    """See :meth:`Accelerator.save_model`: one weights file, or shards with an index, each written atomically."""
+    directory.mkdir(parents=True, exist_ok=True)
+    limit = _parse_size(max_shard_size)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    seen: dict[tuple[int, int], str] = {}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen and t.numel() > 0:
+            continue  # a tied weight: stored once, under its first name, as transformers does
+        seen[key] = name
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    stem, ext = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
+
+    def write(tensors: dict[str, torch.Tensor], path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        if safe_serialization:
+            safetensors.torch.save_file(tensors, str(tmp), metadata={"format": "pt"})
+        else:
+            torch.save(tensors, tmp)
+        os.replace(tmp, path)
+
+    if len(shards) == 1:
+        write(shards[0], directory / f"{stem}.{ext}")
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
+        write(shard, directory / fname)
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+    index = directory / f"{stem}.{ext}.index.json"
+    tmp = index.with_name(f".{index.name}.tmp")
+    tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    os.replace(tmp, index)
+
+
 def save_accelerator_state(output_dir: Path, prepared: PreparedObjects, process: D.ProcessInfo,
                            precision_state: dict[str, Any], meta: dict[str, Any],
-                           extra_files: dict[str, str | bytes]) -> Path:
+                           extra_files: dict[str, str | bytes], hooks: StateHooks | None = None) -> Path:
     """See :meth:`Accelerator.save_state`. ``meta`` (the run's counters and precision name) is
-    written as ``accelerator.bin``; the main process writes all but the RNG files."""
+    written as ``accelerator.bin``; the main process writes all but the RNG files. The staging
+    folder is removed if anything fails, so no half-written checkpoint is left."""
     final = output_dir
     main = process.rank == 0
     # The main process makes the staging folder; every process writes its own RNG state into it.
     tmp = Path(D.broadcast_object(str(ckpt.staging_dir(final)) if main else None))
-    torch.save(ckpt.rng_state(), tmp / f"random_states_{process.rank}.bin")
-    D.barrier()
-    if main:
-        for i, m in enumerate(prepared.models):
-            safetensors.torch.save_model(unwrap(m), str(tmp / f"model_{i}.safetensors"))
-        for name, objs in prepared.stateful().items():
-            for i, obj in enumerate(objs):
-                torch.save(obj.state_dict(), tmp / f"{name}_{i}.bin")
-        if precision_state:
-            torch.save(precision_state, tmp / "scaler.bin")
-        torch.save(meta, tmp / "accelerator.bin")
-        for name, content in extra_files.items():
-            (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
-        ckpt.commit_checkpoint(tmp, final, meta={"num_processes": process.world_size, "precision": meta["precision"]})
+    try:
+        torch.save(ckpt.rng_state(), tmp / f"random_states_{process.rank}.bin")
+        D.barrier()
+        if main:
+            models = list(prepared.models)
+            if hooks is not None and hooks.save:
+                weights = [unwrap(m).state_dict() for m in models]
+                given = list(weights)
+                for hook in hooks.save.values():
+                    hook(models, weights, str(tmp))  # what the hook writes joins the atomic commit
+                models = [m for m, w in zip(prepared.models, given) if any(w is x for x in weights)]
+            for i, m in enumerate(models):
+                safetensors.torch.save_model(unwrap(m), str(tmp / f"model_{i}.safetensors"))
+            for name, objs in prepared.stateful().items():
+                for i, obj in enumerate(objs):
+                    torch.save(obj.state_dict(), tmp / f"{name}_{i}.bin")
+            if precision_state:
+                torch.save(precision_state, tmp / "scaler.bin")
+            torch.save(meta, tmp / "accelerator.bin")
+            for name, content in extra_files.items():
+                (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
+            ckpt.commit_checkpoint(tmp, final, meta={"num_processes": process.world_size,
+                                                     "precision": meta["precision"]})
+    except BaseException:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     D.barrier()
     return final
 
 
 def load_accelerator_state(input_dir: Path, prepared: PreparedObjects, process: D.ProcessInfo,
-                           device: torch.device) -> tuple[dict[str, Any], dict[str, Any]]:
+                           device: torch.device, hooks: StateHooks | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """See :meth:`Accelerator.load_state`: verifies, restores the prepared objects and this
     process's RNG; returns the run's ``meta`` and the precision plugin's state (``{}`` if none)."""
     path = input_dir
     ckpt.verify_checkpoint(path)  # before anything is read
     load = ckpt.load_tensor_file
-    for i, m in enumerate(prepared.models):
+    models = list(prepared.models)
+    if hooks is not None:
+        for hook in hooks.load.values():
+            hook(models, str(path))
+    for i, m in enumerate(models):
         safetensors.torch.load_model(unwrap(m), str(path / f"model_{i}.safetensors"), strict=True, device=str(device))
     for name, objs in prepared.stateful().items():
         for i, obj in enumerate(objs):

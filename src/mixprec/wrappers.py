@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .precision import PrecisionPlugin
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "OptimizerHooks", "patch_forward", "unpatch_forward",
-           "original_forward", "unwrap"]
+           "original_forward", "unwrap", "unwrap_keeping_compile"]
 
 _ORIGINAL = "_mixprec_original_forward"
 _PRECISION = "_mixprec_precision"  # a function returning the owner's current plugin
@@ -68,12 +68,25 @@ def original_forward(model: torch.nn.Module) -> Callable[..., Any]:
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside ``DistributedDataParallel`` and ``torch.compile`` wrappers."""
     while True:
-        if isinstance(model, DistributedDataParallel):
+        if isinstance(model, (DistributedDataParallel, torch.nn.DataParallel)):
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
             model = model._orig_mod
         else:
             return model
+
+
+def unwrap_keeping_compile(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module without DDP (or ``DataParallel``) wrappers, still compiled if it was:
+    the outermost ``torch.compile`` wrapper comes back, now around the unwrapped module."""
+    compiled = model if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module) else None
+    inner = unwrap(model._orig_mod if compiled is not None else model)
+    while isinstance(inner, torch.nn.DataParallel):
+        inner = unwrap(inner.module)
+    if compiled is None:
+        return inner
+    compiled._orig_mod = inner
+    return compiled
 
 
 @dataclass(frozen=True)
@@ -160,6 +173,14 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return self._skipped
 
     @property
+    def _is_overflow(self) -> bool:  # Accelerate's name for the flag; its tests set it
+        return self.step_was_skipped
+
+    @_is_overflow.setter
+    def _is_overflow(self, value: bool) -> None:
+        self._skipped = bool(value)
+
+    @property
     def skipped_steps(self) -> int:
         """How many of this optimizer's steps were skipped for inf/NaN gradients. Syncs."""
         return self.hooks.precision().skipped_steps(self.optimizer)
@@ -175,20 +196,41 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
 
 class AcceleratedScheduler:
-    """The user's LR scheduler, stepped only when the optimizer step was applied."""
+    """The user's LR scheduler, stepped only when the optimizer step was applied.
 
-    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], sync_gradients: Callable[[], bool]) -> None:
+    Args:
+        scheduler: the user's scheduler.
+        optimizers: the prepared optimizers it follows.
+        gradient_state: the owner's ``GradientState`` (``sync_gradients``, ``adjust_scheduler``).
+        step_with_optimizer: ``False`` steps the schedule at every call, whatever the optimizers did.
+        steps_per_call: schedule steps per applied optimizer step (Accelerate's: the number of
+            processes, so a schedule written for one process's count of batches ends on time).
+    """
+
+    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], gradient_state: Any, *,
+                 step_with_optimizer: bool = True, steps_per_call: int = 1) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
-        self.sync_gradients = sync_gradients
+        self.gradient_state = gradient_state
+        self.step_with_optimizer = step_with_optimizer
+        self.steps_per_call = steps_per_call
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance the schedule, unless this is a non-sync accumulation step or the step was skipped."""
-        if not self.sync_gradients():
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.gradient_state.sync_gradients:
+            if self.gradient_state.adjust_scheduler and hasattr(self.scheduler, "_step_count"):
+                self.scheduler._step_count += 1  # as Accelerate counts it; the rate does not change
             return
         if any(opt.step_was_skipped for opt in self.optimizers):
             return
-        self.scheduler.step(*args, **kwargs)
+        total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR refuses to step past its end
+        for _ in range(self.steps_per_call):
+            if total is not None and self.scheduler._step_count > total:
+                break
+            self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return self.scheduler.get_last_lr()
@@ -201,6 +243,6 @@ class AcceleratedScheduler:
 
     def __getattr__(self, name: str) -> Any:
         # Attributes the wrapper does not define (last_epoch, base_lrs, ...) are the scheduler's.
-        if name in ("scheduler", "optimizers", "sync_gradients"):
+        if name in ("scheduler", "optimizers", "gradient_state", "step_with_optimizer", "steps_per_call"):
             raise AttributeError(name)
         return getattr(self.scheduler, name)

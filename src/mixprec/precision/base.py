@@ -183,6 +183,10 @@ class PrecisionPlugin:
     def release(self) -> None:
         """Undo what this plugin attached to the run (when the run switches to another precision)."""
 
+    def forget_optimizers(self) -> None:
+        """Stop tracking every optimizer (``Accelerator.free_memory``: the next run prepares new ones)."""
+        self.release()
+
     # -- reporting and checkpoints ----------------------------------------------------------
     def fallback_precision(self, native_bf16: bool) -> str | None:
         """The precision to switch to when this one's loss scale collapses (``None``: none)."""

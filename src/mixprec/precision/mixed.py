@@ -236,6 +236,11 @@ class MixedPrecision(PrecisionPlugin):
             h.remove()
         self._hooks.clear()
 
+    def forget_optimizers(self) -> None:
+        self.release()
+        for table in (self._optimizers, self._stepped, self._fresh, self._carried, self._flags, self._skips, self._owner):
+            table.clear()
+
 
 def _mark_fresh(fresh: set[int], key: int, param: torch.Tensor) -> None:
     fresh.add(key)
