@@ -1,0 +1,245 @@
+"""Hugging Face Accelerate's API on mixprec's Accelerator: what its users' code calls, checked here
+(the anchors' own suites run in tests/peer/run_peer.py)."""
+
+import json
+import pickle
+
+import pytest
+import safetensors.torch
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from mixprec import (
+    Accelerator,
+    CheckpointError,
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+)
+
+
+def parts(n=32, batch_size=4, shuffle=True):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dl = DataLoader(TensorDataset(torch.randn(n, 3), torch.randn(n, 1)), batch_size=batch_size, shuffle=shuffle)
+    return model, opt, dl
+
+
+def train(acc, model, opt, dl, epochs=1, skip=0):
+    for epoch in range(epochs):
+        for x, y in (acc.skip_first_batches(dl, skip) if epoch == 0 and skip else dl):
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+
+
+def test_automatic_checkpoint_naming_rotates_only_after_the_new_checkpoint_is_complete(tmp_path, monkeypatch):
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path), total_limit=2,
+                                                                    automatic_checkpoint_naming=True))
+    model, opt, dl = acc.prepare(*parts())
+    for _ in range(3):
+        acc.save_state()
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["checkpoint_1", "checkpoint_2"] and acc.save_iteration == 3
+    # A save that fails half-way leaves both complete checkpoints and no debris.
+    import mixprec.checkpoint as ckpt
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ckpt, "commit_checkpoint", boom)
+    with pytest.raises(OSError):
+        acc.save_state()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    monkeypatch.undo()
+    with torch.no_grad():
+        model.weight.zero_()
+    acc.load_state()  # the newest complete one
+    assert model.weight.abs().sum() > 0
+
+
+def test_a_missing_checkpoint_folder_is_a_file_not_found_error(tmp_path):
+    acc = Accelerator(cpu=True)
+    with pytest.raises(FileNotFoundError, match="no checkpoint folder"):
+        acc.load_state(tmp_path / "nope")
+    with pytest.raises(CheckpointError):
+        acc.load_state(tmp_path / "nope")
+    with pytest.raises(ValueError, match="automatic checkpoint naming"):
+        acc.save_state()
+
+
+def test_save_and_load_pre_hooks_join_the_atomic_checkpoint_and_can_be_removed(tmp_path):
+    acc = Accelerator(cpu=True)
+    model, opt, dl = acc.prepare(*parts())
+    seen = {}
+
+    def save_hook(models, weights, output_dir):
+        assert len(models) == len(weights) == 1 and "weight" in weights[0]
+        (__import__("pathlib").Path(output_dir) / "extra.json").write_text(json.dumps({"k": 1}))
+
+    def load_hook(models, input_dir):
+        seen["k"] = json.loads((__import__("pathlib").Path(input_dir) / "extra.json").read_text())["k"]
+
+    hs, hl = acc.register_save_state_pre_hook(save_hook), acc.register_load_state_pre_hook(load_hook)
+    acc.save_state(tmp_path / "a")
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert "extra.json" in manifest["files"]  # hashed like the rest
+    acc.load_state(tmp_path / "a")
+    assert seen == {"k": 1}
+    hs.remove()
+    hl.remove()
+    acc.save_state(tmp_path / "b")
+    assert not (tmp_path / "b" / "extra.json").exists()
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_save_model_shards_with_an_index_that_transformers_layout_expects(tmp_path, safe):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model[1].weight = model[0].weight  # tied: stored once
+    acc = Accelerator(cpu=True)
+    acc.save_model(model, tmp_path, max_shard_size=300, safe_serialization=safe)
+    stem, ext = ("model", "safetensors") if safe else ("pytorch_model", "bin")
+    index = json.loads((tmp_path / f"{stem}.{ext}.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and all(f.startswith(f"{stem}-") for f in files)
+    state = {}
+    for f in files:
+        state.update(safetensors.torch.load_file(str(tmp_path / f)) if safe
+                     else torch.load(tmp_path / f, weights_only=True))
+    assert "1.weight" not in state and torch.equal(state["0.weight"], model[0].weight)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_register_for_checkpointing_lists_every_object_it_cannot_save():
+    acc = Accelerator(cpu=True)
+    with pytest.raises(ValueError) as e:
+        acc.register_for_checkpointing(torch.ones(1), torch.nn.Linear(1, 1), 3)
+    assert "Item at index 0" in str(e.value) and "Item at index 2" in str(e.value)
+    assert "Item at index 1" not in str(e.value)
+
+
+def test_state_and_gradient_state_are_the_accelerators_own():
+    a, b = Accelerator(cpu=True, gradient_accumulation_steps=2), Accelerator(cpu=True)
+    assert a.state.distributed_type == DistributedType.NO == "NO" and a.state.num_processes == 1
+    assert a.gradient_state.num_steps == 2 and b.gradient_state.num_steps == 1  # not shared
+    a.gradient_accumulation_steps = 4
+    assert a.gradient_state.num_steps == 4
+    with pytest.raises(AttributeError, match="'AcceleratorState' object has no attribute 'nope'"):
+        a.state.nope
+    a.state._reset_state()
+    with pytest.raises(AttributeError, match="_reset_state"):
+        a.num_processes
+    assert b.num_processes == 1
+
+
+def test_gradient_state_tracks_the_active_dataloader_and_its_end():
+    acc = Accelerator(cpu=True)
+    _, _, dl = parts(n=8)
+    dl = acc.prepare(dl)
+    assert acc.gradient_state.active_dataloader is None
+    ends = []
+    for _ in dl:
+        assert acc.gradient_state.active_dataloader is dl
+        ends.append(acc.gradient_state.end_of_dataloader)
+    assert ends == [False, True] and acc.gradient_state.active_dataloader is None
+
+
+def test_gradient_accumulation_plugin_and_no_sync():
+    acc = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
+    assert acc.gradient_accumulation_steps == 2
+    with pytest.raises(ValueError, match="not both"):
+        Accelerator(cpu=True, gradient_accumulation_steps=2, gradient_accumulation_plugin={"num_steps": 2})
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    with acc.no_sync(model):  # one process: nothing to skip, but it is there
+        pass
+
+
+def test_scheduler_steps_once_per_process_with_the_optimizer_or_every_call_without():
+    for with_opt in (True, False):
+        acc = Accelerator(cpu=True, step_scheduler_with_optimizer=with_opt)
+        model, opt, _ = parts()
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1 - n / 10)
+        model, opt, sched = acc.prepare(model, opt, sched)
+        opt._is_overflow = True  # Accelerate's flag: the step was skipped
+        sched.step()
+        assert sched.scheduler.last_epoch == (0 if with_opt else 1)
+
+
+def test_trigger_and_process_decorators(capsys):
+    acc = Accelerator(cpu=True)
+    assert acc.check_trigger() is False
+    acc.set_trigger()
+    assert acc.check_trigger() is True and acc.check_trigger() is False
+    acc.on_main_process(print)("main")
+    acc.on_process(print, process_index=1)("never")
+    assert capsys.readouterr().out == "main\n" and acc.is_last_process
+
+
+def test_unwrap_model_keeps_torch_compile_by_default_as_accelerate():
+    model = torch.nn.Linear(2, 2)
+    compiled = torch.compile(torch.nn.DataParallel(model))
+    acc = Accelerator(cpu=True)
+    assert acc.unwrap_model(compiled)._orig_mod is model
+    assert acc.unwrap_model(compiled, keep_torch_compile=False) is model
+
+
+def test_free_memory_forgets_every_prepared_object():
+    acc = Accelerator(mixed_precision="fp16", cpu=True)
+    out = acc.free_memory(*acc.prepare(*parts()))
+    assert out == [None, None, None] and not acc.prepared.models and not acc.prepared.optimizers
+    model, opt, dl = acc.prepare(*parts())  # a second training in the same process
+    train(acc, model, opt, dl)
+    assert acc.optimizer_steps > 0 or acc.scaler is not None
+
+
+def test_seedable_epochs_replay_with_set_epoch_and_data_seed_decides_the_order():
+    def order(acc, epochs=2):
+        _, _, dl = parts(n=12, batch_size=3)
+        dl = acc.prepare(dl)
+        got = [x.sum().item() for _ in range(epochs) for x, _ in dl]
+        dl.set_epoch(0)
+        again = [x.sum().item() for _ in range(epochs) for x, _ in dl]
+        return got, again
+
+    got, again = order(Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(data_seed=1)))
+    assert got == again
+    other, _ = order(Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(data_seed=2)))
+    assert other != got
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_load_state_resumes_where_accelerate_does_or_at_the_next_batch_when_stateful(tmp_path, stateful):
+    """Default (Accelerate's): the epoch that was running starts again at its first batch, in its
+    order, and the loop skips what it saw. Stateful: load_state resumes at the next batch."""
+    def run(save_after=None, resume=False):
+        acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
+        model, opt, dl = acc.prepare(*parts())
+        seen = []
+        if resume:
+            acc.load_state(tmp_path / "ck")
+        skip = 3 if resume and not stateful else 0
+        for i, (x, y) in enumerate(acc.skip_first_batches(dl, skip) if skip else dl):
+            seen.append(x.sum().item())
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            if save_after is not None and i + 1 == save_after:
+                acc.save_state(tmp_path / "ck")
+                return seen, model
+        return seen, model
+
+    full, m_full = run()
+    first, _ = run(save_after=3)
+    rest, m_rest = run(resume=True)
+    assert first + rest == full
+    torch.testing.assert_close(m_full.weight, m_rest.weight, rtol=0, atol=0)
+
+
+def test_an_accelerator_with_prepared_dataloaders_pickles():
+    acc = Accelerator(cpu=True)
+    _, _, dl = parts(n=8, shuffle=False)
+    dl = acc.prepare(dl)
+    back = pickle.loads(pickle.dumps(acc))
+    assert len(back._dataloaders) == 1
+    assert [x.sum().item() for x, _ in back._dataloaders[0]] == [x.sum().item() for x, _ in dl]
