@@ -325,9 +325,12 @@ def test_training_arguments_round_trip_through_json_and_toml(tmp_path):
     assert b.learning_rate == 0.001 and b.resolved_precision == "bf16-mixed"
     with pytest.raises(ValueError, match="unknown TrainingArguments key.*'learnin_rate'.*valid keys"):
         TrainingArguments.from_dict({"learnin_rate": 1})
-    assert a.replace(learning_rate=0.5).learning_rate == 0.5
-    with pytest.raises(AttributeError):
-        a.learning_rate = 3  # frozen: use replace()
+    assert a.replace(learning_rate=0.5).learning_rate == 0.5 and a.learning_rate != 0.5
+    a.learning_rate = 3.0  # mutable, as Hugging Face's: assigned fields are checked by validate()
+    assert a.learning_rate == 3.0
+    a.learning_rate = -1.0
+    with pytest.raises(ValueError, match="learning_rate must be"):
+        a.validate()
 
 
 def test_save_model_writes_safetensors(tmp_path):

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import os
 import warnings
-from dataclasses import InitVar, dataclass, field
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..hardware import default_device
 from ..precision import BF16TrueConfig, canonical_precision
 
 __all__ = ["TrainingArguments"]
@@ -19,6 +23,55 @@ _STRATEGIES = ("no", "steps", "epoch")
 _OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 _SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 _REPORTERS = ("none", "jsonl", "tensorboard", "all")
+_SAMPLING = ("random", "sequential")
+
+# Hugging Face fields for features mixprec does not have. They exist (code that reads them works)
+# and keep Hugging Face's default; any other value is refused with the field's name and why,
+# rather than silently ignored.
+_UNSUPPORTED = {
+    "push_to_hub": "mixprec does not upload; push output_dir with huggingface_hub's upload_folder",
+    "hub_token": "mixprec does not upload to the Hub", "hub_private_repo": "mixprec does not upload to the Hub",
+    "hub_model_id": "mixprec does not upload to the Hub", "hub_strategy": "mixprec does not upload to the Hub",
+    "hub_always_push": "mixprec does not upload to the Hub", "hub_revision": "mixprec does not upload to the Hub",
+    "deepspeed": "DeepSpeed is not integrated; mixprec shards with FSDP2 through torchrun",
+    "fsdp": "mixprec's Trainer runs DDP under torchrun; use mixprec.Accelerator for FSDP2",
+    "fsdp_config": "mixprec's Trainer runs DDP under torchrun; use mixprec.Accelerator for FSDP2",
+    "accelerator_config": "mixprec's Trainer builds a mixprec.Accelerator from these arguments",
+    "parallelism_config": "mixprec runs data parallelism only",
+    "use_liger_kernel": "Liger kernels are not integrated", "liger_kernel_config": "Liger kernels are not integrated",
+    "neftune_noise_alpha": "NEFTune is not implemented",
+    "trackio_space_id": "trackio is not integrated; report_to='jsonl' or 'tensorboard'",
+    "trackio_bucket_id": "trackio is not integrated", "trackio_static_space_id": "trackio is not integrated",
+    "torch_compile_backend": "torch_compile=True uses torch.compile's default backend",
+    "torch_compile_mode": "torch_compile=True uses torch.compile's default mode",
+    "optim_args": "optim takes no extra arguments; pass optimizers=(optimizer, scheduler) to Trainer",
+    "optim_target_modules": "optimizers such as GaLore are not integrated",
+    "lr_scheduler_kwargs": "pass optimizers=(optimizer, scheduler) to Trainer for a custom schedule",
+    "label_smoothing_factor": "compute the smoothed loss in the model or with compute_loss_func",
+    "tf32": "set torch.backends.cuda.matmul.allow_tf32 yourself; mixprec's precision names say what runs",
+    "auto_find_batch_size": "mixprec does not retry on out-of-memory errors",
+    "include_num_input_tokens_seen": "input tokens are not counted",
+    "save_only_model": "a mixprec checkpoint always holds what a resume needs",
+    "save_on_each_node": "the main process writes each checkpoint", "enable_jit_checkpoint": "not implemented",
+    "ignore_data_skip": "a resume always continues at the saved batch",
+    "full_determinism": "call torch.use_deterministic_algorithms(True) yourself",
+    "eval_do_concat_batches": "predictions are always concatenated",
+    "eval_use_gather_object": "predictions are gathered as tensors",
+    "include_for_metrics": "compute_metrics receives predictions and labels only",
+    "dataloader_in_order": "batches always come in order",
+    "ddp_find_unused_parameters": "not configurable in mixprec's DDP", "ddp_bucket_cap_mb": "not configurable",
+    "ddp_broadcast_buffers": "not configurable", "ddp_static_graph": "not configurable",
+    "ddp_backend": "torchrun's default backend is used", "ddp_timeout": "not configurable",
+    "debug": "debug modes (underflow_overflow, tpu_metrics_debug) are not implemented; mixprec's diagnostics_steps "
+             "and trace_overflow show where a model overflows",
+    "torch_empty_cache_steps": "not implemented", "skip_memory_metrics": "memory metrics are not collected",
+    "local_rank": "torchrun's LOCAL_RANK decides the device",
+}
+
+
+def _default(name: str) -> Any:
+    f = TrainingArguments.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -26,9 +79,22 @@ def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not valid; choose one of: {', '.join(map(repr, choices))}")
 
 
-@dataclass(frozen=True, kw_only=True)
+def _plain(value: Any) -> Any:
+    """A Hugging Face enum member (``IntervalStrategy.EPOCH``) as its plain value (``"epoch"``)."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+@dataclass
 class TrainingArguments:
     """What a :class:`~mixprec.Trainer` run does, with Hugging Face's names, defaults and meanings.
+
+    A plain (mutable) dataclass, validated in ``__post_init__``, as Hugging Face's is: subclass it
+    with a plain ``@dataclass`` to add fields, pass ``output_dir`` as the first positional
+    argument (the other fields are keyword-only), set fields after construction (the Trainer
+    checks them again with :meth:`validate` when it starts). ``logging_steps``, ``eval_steps``,
+    ``save_steps`` and ``warmup_steps`` below 1 are fractions of the training steps. Hugging
+    Face fields for features mixprec lacks (Hub upload, DeepSpeed, integrations) exist at their
+    defaults; any other value raises an error that names the field.
 
     Beyond Hugging Face: ``precision`` takes any name :func:`~mixprec.resolve_precision` accepts
     (``fp16=True`` means ``"fp16-mixed"``, ``bf16=True`` means ``"bf16-mixed"``), and
@@ -39,30 +105,47 @@ class TrainingArguments:
     bf16-mixed (or fp32) instead of raising. With ``precision="bf16-true"``,
     ``bf16_true_compensation`` (``"kahan"``, ``"stochastic"``, ``"none"``) and
     ``bf16_true_state_dtype`` (``"fp32"``, ``"bf16"``: the moments, half the optimizer memory) are
-    the Accelerator's arguments of the same names. The old spelling
-    ``evaluation_strategy`` is accepted with a ``FutureWarning``. The object is frozen: use
-    :meth:`replace` for a changed copy (validated again).
+    the Accelerator's arguments of the same names. ``report_to="jsonl"`` (the default) appends
+    every log to ``output_dir/metrics.jsonl``. The old spelling ``evaluation_strategy`` is
+    accepted with a ``FutureWarning``. :meth:`replace` gives a changed copy, validated again.
 
     Example:
-        >>> args = TrainingArguments(output_dir="out", eval_strategy="epoch", bf16=True)
+        >>> args = TrainingArguments("out", eval_strategy="epoch", bf16=True)
         >>> args.resolved_precision
         'bf16-mixed'
+        >>> args.logging_steps = 10  # settable, as in Hugging Face
     """
 
-    output_dir: str = "trainer_output"
+    output_dir: str | None = None
+    _: KW_ONLY
+    do_train: bool = False
+    do_eval: bool = False
+    do_predict: bool = False
     eval_strategy: str = "no"
-    eval_steps: int | None = None
+    eval_steps: float | None = None
+    eval_delay: float = 0
+    eval_on_start: bool = False
+    eval_accumulation_steps: int | None = None
+    batch_eval_metrics: bool = False
+    prediction_loss_only: bool = False
     save_strategy: str = "steps"
-    save_steps: int = 500
+    save_steps: float = 500
     save_total_limit: int | None = None
     logging_strategy: str = "steps"
-    logging_steps: int = 500
+    logging_steps: float = 500
     logging_first_step: bool = False
+    logging_nan_inf_filter: bool = True
+    log_level: str = "passive"
+    log_level_replica: str = "warning"
+    log_on_each_node: bool = True
+    run_name: str | None = None
+    project: str = "huggingface"
     num_train_epochs: float = 3.0
     max_steps: int = -1
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
+    average_tokens_across_devices: bool = True
     learning_rate: float = 5e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -71,7 +154,7 @@ class TrainingArguments:
     max_grad_norm: float | None = 1.0
     optim: str = "adamw_torch"
     lr_scheduler_type: str = "linear"
-    warmup_steps: int = 0
+    warmup_steps: float = 0
     warmup_ratio: float = 0.0
     seed: int = 42
     data_seed: int | None = None
@@ -79,18 +162,31 @@ class TrainingArguments:
     bf16: bool = False
     fp16_full_eval: bool = False
     bf16_full_eval: bool = False
+    gradient_checkpointing: bool | None = None
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    activation_checkpointing: bool | None = None
+    activation_checkpointing_kwargs: dict[str, Any] | None = None
+    use_cache: bool = False
     dataloader_num_workers: int = 0
     dataloader_drop_last: bool = False
+    dataloader_pin_memory: bool = True
+    dataloader_persistent_workers: bool = False
+    dataloader_prefetch_factor: int | None = None
+    dataloader_multiprocessing_context: str | None = None
+    train_sampling_strategy: str = "random"
+    length_column_name: str = "length"
     remove_unused_columns: bool = True
     label_names: list[str] | None = None
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None
     greater_is_better: bool | None = None
-    report_to: str | list[str] = "jsonl"
-    disable_tqdm: bool = False
+    restore_callback_states_from_checkpoint: bool = False
+    report_to: str | list[str] | None = "jsonl"
+    disable_tqdm: bool | None = False
     resume_from_checkpoint: str | None = None
     torch_compile: bool = False
     use_cpu: bool = False
+    # mixprec's own
     precision: str | None = None
     loss_scaler: dict[str, Any] | None = field(default=None)
     on_loss_scale_collapse: str = "raise"
@@ -99,19 +195,91 @@ class TrainingArguments:
     diagnostics_steps: int = 0
     trace_overflow: bool = False
     drift_steps: int = 0
+    # Hugging Face's, unsupported: only their defaults are accepted (see _UNSUPPORTED)
+    push_to_hub: bool = False
+    hub_token: str | None = None
+    hub_private_repo: bool | None = None
+    hub_model_id: str | None = None
+    hub_strategy: str = "every_save"
+    hub_always_push: bool = False
+    hub_revision: str | None = None
+    deepspeed: Any = None
+    fsdp: Any = None
+    fsdp_config: Any = None
+    accelerator_config: Any = None
+    parallelism_config: Any = None
+    use_liger_kernel: bool = False
+    liger_kernel_config: dict[str, Any] | None = None
+    neftune_noise_alpha: float | None = None
+    trackio_space_id: str | None = None
+    trackio_bucket_id: str | None = None
+    trackio_static_space_id: str | None = None
+    torch_compile_backend: str | None = None
+    torch_compile_mode: str | None = None
+    optim_args: str | None = None
+    optim_target_modules: Any = None
+    lr_scheduler_kwargs: dict[str, Any] | None = None
+    label_smoothing_factor: float = 0.0
+    tf32: bool | None = None
+    auto_find_batch_size: bool = False
+    include_num_input_tokens_seen: Any = "no"
+    save_only_model: bool = False
+    save_on_each_node: bool = False
+    enable_jit_checkpoint: bool = False
+    ignore_data_skip: bool = False
+    full_determinism: bool = False
+    eval_do_concat_batches: bool = True
+    eval_use_gather_object: bool = False
+    include_for_metrics: list[str] = field(default_factory=list)
+    dataloader_in_order: bool = True
+    ddp_find_unused_parameters: bool | None = None
+    ddp_bucket_cap_mb: int | None = None
+    ddp_broadcast_buffers: bool | None = None
+    ddp_static_graph: bool | None = None
+    ddp_backend: str | None = None
+    ddp_timeout: int = 1800
+    debug: Any = ""
+    torch_empty_cache_steps: int | None = None
+    skip_memory_metrics: bool = True
+    local_rank: int = -1
     evaluation_strategy: InitVar[str | None] = None
 
     def __post_init__(self, evaluation_strategy: str | None) -> None:
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen: validated normalisation only
         if evaluation_strategy is not None:
             warnings.warn("`evaluation_strategy` is deprecated; use `eval_strategy` (same values)", FutureWarning, stacklevel=3)
-            if self.eval_strategy not in ("no", evaluation_strategy):
+            evaluation_strategy = _plain(evaluation_strategy)
+            if _plain(self.eval_strategy) not in ("no", evaluation_strategy):
                 raise ValueError(f"evaluation_strategy={evaluation_strategy!r} and eval_strategy={self.eval_strategy!r} "
                                  "disagree; pass only eval_strategy")
-            set_("eval_strategy", evaluation_strategy)
+            self.eval_strategy = evaluation_strategy
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (and fill the ones that default to others); the Trainer calls it again
+        when it starts, so values assigned after construction are checked too.
+
+        Raises:
+            ValueError: naming the field, the bad value and the fix.
+        """
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"
+        self.output_dir = os.fspath(self.output_dir)
+        for name in ("eval_strategy", "save_strategy", "logging_strategy", "optim", "lr_scheduler_type",
+                     "hub_strategy", "train_sampling_strategy"):
+            setattr(self, name, _plain(getattr(self, name)))
+        if self.disable_tqdm is None:
+            self.disable_tqdm = False
+        if self.report_to is None:
+            self.report_to = "none"
+        for name, why in _UNSUPPORTED.items():
+            value, default = getattr(self, name), _default(name)
+            if value != default:
+                raise ValueError(f"{name}={value!r} is not supported by mixprec's Trainer ({why}); leave {name} at "
+                                 f"its default {default!r}")
         for name in ("eval_strategy", "save_strategy", "logging_strategy"):
             _one_of(name, getattr(self, name), _STRATEGIES)
         _one_of("optim", self.optim, _OPTIMIZERS)
+        _one_of("train_sampling_strategy", self.train_sampling_strategy, _SAMPLING)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
         self.bf16_true  # noqa: B018 - validates bf16_true_compensation and bf16_true_state_dtype
         for name in ("diagnostics_steps", "drift_steps"):
@@ -119,7 +287,9 @@ class TrainingArguments:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0 (0 switches it off), got {v!r}")
         _one_of("lr_scheduler_type", self.lr_scheduler_type, _SCHEDULERS)
-        reporters = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        if not isinstance(self.report_to, str):
+            self.report_to = [_plain(r) for r in self.report_to]
+        reporters = [self.report_to] if isinstance(self.report_to, str) else self.report_to
         for r in reporters:
             _one_of("report_to", r, _REPORTERS)
         self._check_numbers()
@@ -133,7 +303,7 @@ class TrainingArguments:
                 raise ValueError(f"precision={self.precision!r} contradicts {'fp16' if self.fp16 else 'bf16'}=True; "
                                  "set one of them")
         if self.eval_strategy == "steps" and self.eval_steps is None:
-            set_("eval_steps", self.logging_steps)
+            self.eval_steps = self.logging_steps
         if self.load_best_model_at_end:
             if self.eval_strategy == "no":
                 raise ValueError("load_best_model_at_end=True needs evaluation: set eval_strategy to 'steps' or 'epoch'")
@@ -141,15 +311,24 @@ class TrainingArguments:
                 raise ValueError(f"load_best_model_at_end=True needs save_strategy and eval_strategy to match, got "
                                  f"save_strategy={self.save_strategy!r}, eval_strategy={self.eval_strategy!r}; set both "
                                  "to the same value")
-            if self.eval_strategy == "steps" and self.save_steps % self.eval_steps != 0:
-                raise ValueError(f"load_best_model_at_end=True needs save_steps ({self.save_steps}) to be a multiple of "
-                                 f"eval_steps ({self.eval_steps}), so every checkpoint has an evaluation")
+            if self.eval_strategy == "steps":
+                self._check_save_is_multiple_of_eval()
             if self.metric_for_best_model is None:
-                set_("metric_for_best_model", "loss")
+                self.metric_for_best_model = "loss"
         if self.metric_for_best_model is not None and self.greater_is_better is None:
-            set_("greater_is_better", not self.metric_for_best_model.endswith("loss"))
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.label_names is not None:
-            set_("label_names", list(self.label_names))
+            self.label_names = list(self.label_names)
+
+    def _check_save_is_multiple_of_eval(self) -> None:
+        save, every = self.save_steps, self.eval_steps
+        if (save < 1) != (every < 1):
+            raise ValueError(f"load_best_model_at_end=True needs save_steps ({save}) and eval_steps ({every}) both "
+                             "as step counts or both as fractions of training")
+        ratio = save / every
+        if abs(ratio - round(ratio)) > 1e-9 or round(ratio) < 1:
+            raise ValueError(f"load_best_model_at_end=True needs save_steps ({save}) to be a multiple of "
+                             f"eval_steps ({every}), so every checkpoint has an evaluation")
 
     def _check_numbers(self) -> None:
         def positive_int(name: str, allow_none: bool = False) -> None:
@@ -159,11 +338,12 @@ class TrainingArguments:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "logging_steps", "save_steps"):
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             positive_int(name)
-        positive_int("eval_steps", allow_none=True)
-        positive_int("save_total_limit", allow_none=True)
+        for name in ("eval_accumulation_steps", "save_total_limit", "dataloader_prefetch_factor"):
+            positive_int(name, allow_none=True)
+        for name in ("logging_steps", "save_steps", "eval_steps"):
+            self._check_steps(name)
         if not isinstance(self.max_steps, int) or self.max_steps == 0 or self.max_steps < -1:
             raise ValueError(f"max_steps must be -1 (use num_train_epochs) or an int >= 1, got {self.max_steps!r}")
         if not (isinstance(self.num_train_epochs, (int, float)) and math.isfinite(self.num_train_epochs)
@@ -173,10 +353,72 @@ class TrainingArguments:
             raise ValueError(f"learning_rate must be a number >= 0, got {self.learning_rate!r}")
         if not (0.0 <= self.warmup_ratio < 1.0):
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
-        if self.warmup_steps < 0 or self.dataloader_num_workers < 0:
-            raise ValueError("warmup_steps and dataloader_num_workers must be >= 0")
+        if self.warmup_steps < 0 or self.dataloader_num_workers < 0 or self.eval_delay < 0:
+            raise ValueError("warmup_steps, eval_delay and dataloader_num_workers must be >= 0")
+        if self.warmup_steps > 1 and self.warmup_steps != int(self.warmup_steps):
+            raise ValueError(f"warmup_steps must be an integer, or a fraction in (0, 1) of the training steps, got "
+                             f"{self.warmup_steps!r}")
         if self.max_grad_norm is not None and self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0 (0 or None: no clipping), got {self.max_grad_norm!r}")
+
+    def _check_steps(self, name: str) -> None:
+        """``*_steps``: an int >= 1, or a fraction in (0, 1) of the training steps (Hugging Face's rule)."""
+        v = getattr(self, name)
+        if v is None and name == "eval_steps":
+            return
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{name} must be an int >= 1, or a fraction in (0, 1) of the training steps, got {v!r}")
+        if v >= 1:
+            if v != int(v):
+                raise ValueError(f"{name}={v!r}: above 1 it must be a whole number of steps (below 1 it is a fraction "
+                                 "of the training steps)")
+            setattr(self, name, int(v))
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def train_batch_size(self) -> int:
+        """Samples per training batch on each process (``per_device_train_batch_size``: mixprec has
+        no single-process multi-GPU mode that would multiply it)."""
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Samples per evaluation batch on each process."""
+        return self.per_device_eval_batch_size
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process trains on: the CPU with ``use_cpu``, else CUDA, MPS or the CPU."""
+        if self.use_cpu:
+            return torch.device("cpu")
+        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:  # torchrun: one GPU per process
+            return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        return default_device()
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs this process uses: 1 on CUDA, else 0 (each process drives one device)."""
+        return 1 if self.device.type == "cuda" else 0
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the run (torchrun's ``WORLD_SIZE``; 1 without torchrun)."""
+        return int(os.environ.get("WORLD_SIZE", 1))
+
+    @property
+    def process_index(self) -> int:
+        """This process's rank (torchrun's ``RANK``; 0 without torchrun)."""
+        return int(os.environ.get("RANK", 0))
+
+    @property
+    def local_process_index(self) -> int:
+        """This process's rank on its machine (torchrun's ``LOCAL_RANK``; 0 without torchrun)."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def should_checkpoint_activations(self) -> bool:
+        """``gradient_checkpointing`` or its newer name ``activation_checkpointing``."""
+        return bool(self.gradient_checkpointing or self.activation_checkpointing)
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -200,8 +442,11 @@ class TrainingArguments:
         return asked - {"none"}
 
     def warmup_for(self, total_steps: int) -> int:
-        """Warm-up steps: ``warmup_steps`` if set, else ``warmup_ratio`` of ``total_steps``."""
-        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(total_steps * self.warmup_ratio)
+        """Warm-up steps: ``warmup_steps`` (a fraction of ``total_steps`` below 1) if set, else
+        ``warmup_ratio`` of ``total_steps``."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil(total_steps * (self.warmup_steps or self.warmup_ratio))
 
     # -- serialisation ---------------------------------------------------------------------
     def replace(self, **changes: Any) -> TrainingArguments:
@@ -213,6 +458,7 @@ class TrainingArguments:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def to_json_string(self) -> str:
+        """:meth:`to_dict` as indented JSON."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     def to_json_file(self, path: str | os.PathLike) -> None:
@@ -221,6 +467,7 @@ class TrainingArguments:
 
     @classmethod
     def field_names(cls) -> list[str]:
+        """Every field's name, and the old spelling ``evaluation_strategy``."""
         return [f.name for f in dataclasses.fields(cls)] + ["evaluation_strategy"]
 
     @classmethod

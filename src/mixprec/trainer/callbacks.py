@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,14 +15,24 @@ __all__ = [
     "TrainerControl",
     "TrainerCallback",
     "CallbackHandler",
+    "DefaultFlowCallback",
     "EarlyStoppingCallback",
+    "ExportableState",
+    "PrinterCallback",
     "ProgressCallback",
     "JsonlLoggerCallback",
     "TensorBoardCallback",
 ]
 
-EVENTS = ("on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_optimizer_step", "on_step_end",
-          "on_evaluate", "on_predict", "on_save", "on_log", "on_epoch_end", "on_train_end")
+log = logging.getLogger("mixprec.trainer")
+
+EVENTS = ("on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_pre_optimizer_step",
+          "on_optimizer_step", "on_substep_end", "on_step_end", "on_evaluate", "on_predict", "on_save", "on_log",
+          "on_prediction_step", "on_epoch_end", "on_train_end", "on_push_begin")
+
+# mixprec's own bookkeeping in TrainerState: saved beside trainer_state.json (in
+# mixprec_trainer_state.json), so that Hugging Face's TrainerState.load_from_json reads the file.
+MIXPREC_STATE_FIELDS = ("skipped_steps", "loss_scale", "precision", "total_loss", "loss_since_log", "steps_since_log")
 
 
 @dataclass
@@ -29,22 +40,32 @@ class TrainerState:
     """Where training stands; saved as ``trainer_state.json`` in every checkpoint.
 
     Hugging Face's fields (``global_step``, ``epoch``, ``max_steps``, ``log_history``,
-    ``best_metric``, ``best_model_checkpoint``, ...) plus mixprec's ``skipped_steps`` (optimizer
-    steps skipped for inf/NaN gradients) and ``loss_scale`` (the current fp16 loss scale).
+    ``best_metric``, ``best_model_checkpoint``, ``stateful_callbacks``, ...) plus mixprec's
+    ``skipped_steps`` (optimizer steps skipped for inf/NaN gradients) and ``loss_scale`` (the
+    current fp16 loss scale). ``trainer_state.json`` holds Hugging Face's fields only (its
+    ``TrainerState.load_from_json`` reads it); :meth:`mixprec_json_string` holds the rest.
     """
 
     epoch: float = 0.0
     global_step: int = 0
     max_steps: int = 0
+    logging_steps: float = 500
+    eval_steps: float = 500
+    save_steps: float = 500
+    train_batch_size: int | None = None
     num_train_epochs: int = 0
-    logging_steps: int = 500
-    eval_steps: int | None = None
-    save_steps: int = 500
-    train_batch_size: int = 0
+    num_input_tokens_seen: int = 0
+    total_flos: float = 0
     log_history: list[dict[str, Any]] = field(default_factory=list)
     best_metric: float | None = None
+    best_global_step: int | None = None
     best_model_checkpoint: str | None = None
+    is_local_process_zero: bool = True
     is_world_process_zero: bool = True
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    trial_params: dict[str, Any] | None = None
+    stateful_callbacks: dict[str, Any] = field(default_factory=dict)
     skipped_steps: int = 0
     loss_scale: float | None = None
     precision: str = "fp32"
@@ -53,22 +74,86 @@ class TrainerState:
     loss_since_log: float = 0.0
     steps_since_log: int = 0
 
+    def compute_steps(self, args: Any, max_steps: int) -> None:
+        """``logging_steps``, ``eval_steps``, ``save_steps`` from ``args``, fractions below 1 of ``max_steps``."""
+        for kind in ("logging", "eval", "save"):
+            n = getattr(args, f"{kind}_steps")
+            if n is not None:
+                setattr(self, f"{kind}_steps", math.ceil(max_steps * n) if n < 1 else n)
+
     def to_json_string(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+        """Hugging Face's fields as JSON (what ``trainer_state.json`` holds)."""
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in MIXPREC_STATE_FIELDS}
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def mixprec_json_string(self) -> str:
+        """mixprec's own fields as JSON (``mixprec_trainer_state.json`` beside ``trainer_state.json``)."""
+        return json.dumps({k: getattr(self, k) for k in MIXPREC_STATE_FIELDS}, indent=2, sort_keys=True) + "\n"
 
     def save_to_json(self, path: str | Path) -> None:
+        """Write :meth:`to_json_string` to ``path``."""
         Path(path).write_text(self.to_json_string())
 
     @classmethod
     def load_from_json(cls, path: str | Path) -> TrainerState:
-        data = json.loads(Path(path).read_text())
+        """Read ``trainer_state.json`` (and ``mixprec_trainer_state.json`` beside it, where present)."""
+        path = Path(path)
+        data = json.loads(path.read_text())
+        extra = path.with_name("mixprec_trainer_state.json")
+        if extra.is_file():
+            data.update(json.loads(extra.read_text()))
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+class ExportableState:
+    """A callback (or the control) whose settings a checkpoint keeps (Hugging Face's protocol).
+
+    :meth:`state` returns ``{"args": ..., "attributes": ...}``: the object is rebuilt as
+    ``type(obj)(**args)`` with ``attributes`` set on it when a run resumes with
+    ``restore_callback_states_from_checkpoint=True``. Any callback with such a ``state()``
+    method qualifies (Hugging Face's own callbacks too).
+    """
+
+    def state(self) -> dict[str, Any]:
+        raise NotImplementedError("an ExportableState must implement state()")
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Any:
+        """The object :meth:`state` describes."""
+        obj = cls(**state.get("args", {}))
+        for k, v in state.get("attributes", {}).items():
+            setattr(obj, k, v)
+        return obj
+
+
+def is_exportable(obj: Any) -> bool:
+    """Whether ``obj`` has ``state()`` in Hugging Face's sense (mixprec's or transformers' ExportableState)."""
+    return isinstance(obj, ExportableState) or any(c.__name__ == "ExportableState" for c in type(obj).__mro__)
+
+
+def export_states(objects: list[Any]) -> dict[str, Any]:
+    """``{class name: state()}`` of the exportable ``objects`` (a list where a class has several)."""
+    out: dict[str, Any] = {}
+    for obj in objects:
+        if not is_exportable(obj):
+            continue
+        name, st = type(obj).__name__, obj.state()
+        if name in out:
+            out[name] = (out[name] if isinstance(out[name], list) else [out[name]]) + [st]
+        else:
+            out[name] = st
+    return out
+
+
 @dataclass
-class TrainerControl:
-    """What the callbacks ask the loop to do next; reset by the loop once done."""
+class TrainerControl(ExportableState):
+    """What the callbacks ask the loop to do next.
+
+    As in Hugging Face: ``should_training_stop`` is cleared when training begins,
+    ``should_epoch_stop`` when an epoch begins, ``should_log``/``should_evaluate``/``should_save``
+    when a step begins and when that log, evaluation or save has happened.
+    """
 
     should_training_stop: bool = False
     should_epoch_stop: bool = False
@@ -76,14 +161,28 @@ class TrainerControl:
     should_evaluate: bool = False
     should_log: bool = False
 
+    def _new_training(self) -> None:
+        self.should_training_stop = False
+
+    def _new_epoch(self) -> None:
+        self.should_epoch_stop = False
+
+    def _new_step(self) -> None:
+        self.should_save = self.should_evaluate = self.should_log = False
+
+    def state(self) -> dict[str, Any]:
+        """The flags, for the checkpoint."""
+        return {"args": dataclasses.asdict(self), "attributes": {}}
+
 
 class TrainerCallback:
     """Base class: override only the events you need (every method here does nothing).
 
-    Each event receives ``(args, state, control, **kwargs)`` with ``model``, ``optimizer``,
-    ``lr_scheduler``, ``train_dataloader``, ``eval_dataloader`` in ``kwargs`` (and ``metrics`` for
-    ``on_evaluate``/``on_predict``, ``logs`` for ``on_log``). Returning a ``TrainerControl`` (or
-    setting fields on the one passed) steers the loop.
+    Each event receives ``(args, state, control, **kwargs)`` with ``model``, ``processing_class``,
+    ``optimizer``, ``lr_scheduler``, ``train_dataloader``, ``eval_dataloader`` in ``kwargs`` (and
+    ``metrics`` for ``on_evaluate``/``on_predict``, ``logs`` for ``on_log``). Returning a
+    ``TrainerControl`` (or setting fields on the one passed) steers the loop. Hugging Face's
+    callbacks (``transformers.TrainerCallback`` subclasses) work too.
 
     Example:
         >>> class StopAt(TrainerCallback):
@@ -95,37 +194,132 @@ class TrainerCallback:
 for _event in EVENTS:
     setattr(TrainerCallback, _event, lambda self, args, state, control, **kwargs: None)
 
+# What each event clears before the callbacks see it (Hugging Face's CallbackHandler does the same).
+_CLEARS = {"on_train_begin": ("should_training_stop",), "on_epoch_begin": ("should_epoch_stop",),
+           "on_step_begin": ("should_log", "should_evaluate", "should_save"), "on_evaluate": ("should_evaluate",),
+           "on_save": ("should_save",), "on_log": ("should_log",)}
+
 
 class CallbackHandler:
-    """Calls every callback for an event, in order, and returns the control."""
+    """Calls every callback for an event, in order, and returns the control.
 
-    def __init__(self, callbacks: list[TrainerCallback | type]) -> None:
+    Each event is also a method (``handler.on_log(args, state, control, logs=...)``), as in
+    Hugging Face; the objects the callbacks receive (``model``, ``optimizer``, ...) are this
+    handler's attributes of those names, kept current by the Trainer.
+    """
+
+    def __init__(self, callbacks: list[TrainerCallback | type], model: Any = None, processing_class: Any = None,
+                 optimizer: Any = None, lr_scheduler: Any = None) -> None:
         self.callbacks: list[TrainerCallback] = []
         for cb in callbacks:
             self.add_callback(cb)
+        self.model, self.processing_class = model, processing_class
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.train_dataloader = self.eval_dataloader = None
+
+    @property
+    def callback_list(self) -> str:
+        """The callbacks' class names, one a line."""
+        return "\n".join(type(cb).__name__ for cb in self.callbacks)
 
     def add_callback(self, callback: TrainerCallback | type) -> None:
+        """Add a callback (an instance, or a class to instantiate); warns if one of its class is there."""
         cb = callback() if isinstance(callback, type) else callback
-        if not isinstance(cb, TrainerCallback) and not all(hasattr(cb, e) for e in EVENTS):
+        if not isinstance(cb, TrainerCallback) and not any(callable(getattr(cb, e, None)) for e in EVENTS):
             raise TypeError(f"{type(cb).__name__} is not a TrainerCallback; subclass mixprec.TrainerCallback")
+        if type(cb) in [type(c) for c in self.callbacks]:
+            log.warning(f"You are adding a {type(cb).__name__} to the callbacks of this Trainer, but there is already "
+                        f"one. The current list of callbacks is:\n{self.callback_list}")
         self.callbacks.append(cb)
 
-    def pop_callback(self, callback: TrainerCallback | type) -> TrainerCallback | None:
+    def _find(self, callback: TrainerCallback | type) -> TrainerCallback | None:
         for cb in self.callbacks:
-            if cb is callback or (isinstance(callback, type) and isinstance(cb, callback)):
-                self.callbacks.remove(cb)
+            if (isinstance(callback, type) and isinstance(cb, callback)) or cb is callback:
                 return cb
         return None
 
-    def call(self, event: str, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+    def pop_callback(self, callback: TrainerCallback | type) -> TrainerCallback | None:
+        """Remove and return the first callback of that class (or that instance); None if absent."""
+        cb = self._find(callback)
+        if cb is not None:
+            self.callbacks.remove(cb)
+        return cb
+
+    def remove_callback(self, callback: TrainerCallback | type) -> None:
+        """Remove the first callback of that class (or that instance)."""
+        self.pop_callback(callback)
+
+    def call(self, event: str, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+        """Run ``event`` on every callback, after clearing the flags it clears; returns the control."""
+        for flag in _CLEARS.get(event, ()):
+            setattr(control, flag, False)
+        objects = {k: getattr(self, k) for k in ("model", "processing_class", "optimizer", "lr_scheduler",
+                                                 "train_dataloader", "eval_dataloader")}
+        objects.update(kwargs)
         for cb in self.callbacks:
-            result = getattr(cb, event)(args, state, control, **kwargs)
+            method = getattr(cb, event, None)
+            if method is None:  # a duck-typed callback from an older library without this event
+                continue
+            result = method(args, state, control, **objects)
             if result is not None:
                 control = result
         return control
 
+    call_event = call
 
-class EarlyStoppingCallback(TrainerCallback):
+
+def _handler_method(event: str) -> Any:
+    def method(self: CallbackHandler, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+        return self.call(event, args, state, control, **kwargs)
+
+    method.__name__ = event
+    method.__doc__ = f"Run ``{event}`` on every callback."
+    return method
+
+
+for _event in EVENTS:
+    setattr(CallbackHandler, _event, _handler_method(_event))
+
+
+class DefaultFlowCallback(TrainerCallback):
+    """Decides when to log, evaluate and save, from ``args``' strategies (Hugging Face's rules).
+
+    After each optimizer step: log every ``logging_steps`` (and at step 1 with
+    ``logging_first_step``), evaluate every ``eval_steps`` once ``eval_delay`` has passed, save
+    every ``save_steps``; at the last step stop, evaluate (step strategy, if that step was not an
+    evaluation step) and save (step strategy). At an epoch's end, the ``"epoch"`` strategies.
+    Removing it leaves the loop with no logging, evaluation or saving of its own.
+    """
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        if (step == 1 and args.logging_first_step) or (args.logging_strategy == "steps"
+                                                      and step % state.logging_steps == 0):
+            control.should_log = True
+        steps_eval = args.eval_strategy == "steps" and args.eval_delay <= step
+        if steps_eval and step % state.eval_steps == 0:
+            control.should_evaluate = True
+        if args.save_strategy == "steps" and state.save_steps > 0 and step % state.save_steps == 0:
+            control.should_save = True
+        if step >= state.max_steps:
+            control.should_training_stop = True
+            if steps_eval and step % state.eval_steps != 0:
+                control.should_evaluate = True
+            if args.save_strategy == "steps":
+                control.should_save = True
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if args.logging_strategy == "epoch":
+            control.should_log = True
+        if args.eval_strategy == "epoch" and args.eval_delay <= state.epoch:
+            control.should_evaluate = True
+        if args.save_strategy == "epoch":
+            control.should_save = True
+        return control
+
+
+class EarlyStoppingCallback(TrainerCallback, ExportableState):
     """Stop when ``metric_for_best_model`` has not improved for ``early_stopping_patience`` evaluations.
 
     Args:
@@ -161,6 +355,12 @@ class EarlyStoppingCallback(TrainerCallback):
             self.early_stopping_patience_counter += 1
         if self.early_stopping_patience_counter >= self.early_stopping_patience:
             control.should_training_stop = True
+
+    def state(self) -> dict[str, Any]:
+        """Patience and threshold (rebuilt on resume) and the evaluations without improvement so far."""
+        return {"args": {"early_stopping_patience": self.early_stopping_patience,
+                         "early_stopping_threshold": self.early_stopping_threshold},
+                "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter}}
 
 
 def _fmt(v: Any) -> str:
@@ -208,6 +408,14 @@ class ProgressCallback(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class PrinterCallback(TrainerCallback):
+    """Print every log (the Trainer's progress display when ``disable_tqdm=True``)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_local_process_zero and logs:
+            print({k: _fmt(v) if isinstance(v, float) else v for k, v in logs.items() if k != "total_flos"})
 
 
 class JsonlLoggerCallback(TrainerCallback):

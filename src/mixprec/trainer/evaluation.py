@@ -39,43 +39,76 @@ class Evaluated(Protocol):
 
 
 def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, prefix: str,
-                    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> PredictionOutput:
+                    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, *,
+                    on_step: Callable[[], Any] | None = None, prediction_loss_only: bool = False,
+                    batch_metrics: bool = False) -> PredictionOutput:
     """Run ``dl`` through the trainer's model without gradients, each batch inside ``context()``;
-    metrics are named ``{prefix}_...``."""
+    metrics are named ``{prefix}_...``.
+
+    Args:
+        on_step: called after each batch (the Trainer's ``on_prediction_step`` event).
+        prediction_loss_only: keep only the loss (no predictions, labels or ``compute_metrics``).
+        batch_metrics: call ``compute_metrics(EvalPrediction(logits, labels), compute_result=...)``
+            on each batch's (gathered, on-device) tensors, ``compute_result=True`` on the last
+            one, whose return is the metrics (Hugging Face's ``batch_eval_metrics``).
+    """
     acc, model = trainer.accelerator, trainer.model_wrapped
     was_training = model.training
     model.eval()
     losses, preds, labels = [], [], []
+    batch_result: dict[str, float] | None = None
     start, n = time.time(), 0
-    for inputs in dl:
+    for inputs, last in _with_last(dl):
         with torch.no_grad(), context():
             outputs = call_model(model, inputs, trainer.model)
         bs = _batch_size(inputs)
         loss = extract_loss(outputs)
         if loss is not None:
             losses.append(acc.gather_for_metrics(loss.detach().float().reshape(1).repeat(bs)).cpu())
-        logits = extract_logits(outputs, ignore_keys or [])
-        label = _labels(inputs, trainer.label_names)
-        if logits is not None and trainer.preprocess_logits_for_metrics is not None:
-            logits = trainer.preprocess_logits_for_metrics(logits, label)
-        if logits is not None:
-            preds.append(_cpu(acc.gather_for_metrics(logits)))
-        if label is not None:
-            labels.append(_cpu(acc.gather_for_metrics(label)))
+        if not prediction_loss_only:
+            logits = extract_logits(outputs, ignore_keys or [])
+            label = _labels(inputs, trainer.label_names)
+            if logits is not None and trainer.preprocess_logits_for_metrics is not None:
+                logits = trainer.preprocess_logits_for_metrics(logits, label)
+            logits = acc.gather_for_metrics(logits) if logits is not None else None
+            label = acc.gather_for_metrics(label) if label is not None else None
+            if batch_metrics and trainer.compute_metrics is not None and logits is not None and label is not None:
+                batch_result = trainer.compute_metrics(EvalPrediction(logits, label), compute_result=last)
+            if logits is not None:
+                preds.append(_cpu(logits))
+            if label is not None:
+                labels.append(_cpu(label))
         n += bs
+        if on_step is not None:
+            on_step()
     model.train(was_training)
     predictions = to_numpy(nested_concat(preds)) if preds else None
     label_ids = to_numpy(nested_concat(labels)) if labels else None
     metrics: dict[str, float] = {}
     if losses:
         metrics[f"{prefix}_loss"] = float(torch.cat(losses).mean())
-    if trainer.compute_metrics is not None and predictions is not None and label_ids is not None:
-        for k, v in trainer.compute_metrics(EvalPrediction(predictions, label_ids)).items():
-            metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = float(v)
+    found = batch_result if batch_metrics else (
+        trainer.compute_metrics(EvalPrediction(predictions, label_ids))
+        if trainer.compute_metrics is not None and predictions is not None and label_ids is not None else None)
+    for k, v in (found or {}).items():
+        metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = float(v)
     runtime = time.time() - start
     metrics.update({f"{prefix}_runtime": round(runtime, 4),
                     f"{prefix}_samples_per_second": round(n * acc.num_processes / max(runtime, 1e-9), 3)})
     return PredictionOutput(predictions, label_ids, metrics)
+
+
+def _with_last(items: Any) -> Any:
+    """``(item, is_last)`` for each item, looking one ahead."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
 
 
 def _batch_size(inputs: Any) -> int:

@@ -8,6 +8,7 @@ file is the loop, evaluation, and the bookkeeping around them.
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import random
 import time
@@ -21,20 +22,25 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from ..accelerator import Accelerator
+from ..configs import DataLoaderConfiguration
 from ..diagnostics import precision_drift
 from ..diagnostics.monitor import DiagnosticsConfig
 from ..wrappers import original_forward
 from .args import TrainingArguments
 from .callbacks import (
     CallbackHandler,
+    DefaultFlowCallback,
     JsonlLoggerCallback,
+    PrinterCallback,
     ProgressCallback,
     TensorBoardCallback,
     TrainerCallback,
     TrainerControl,
     TrainerState,
+    export_states,
+    log,
 )
-from .checkpoints import checkpoint_to_resume, rotate_checkpoints
+from .checkpoints import checkpoint_to_resume, rotate_checkpoints, weights_file, write_trainer_checkpoint
 from .data import collate, model_input_names, prepare_dataset
 from .evaluation import EvalPrediction, PredictionOutput, evaluation_loop
 from .outputs import call_model, extract_loss
@@ -43,6 +49,8 @@ from .schedules import get_scheduler
 __all__ = ["Trainer", "TrainOutput", "EvalPrediction", "PredictionOutput", "set_seed"]
 
 class TrainOutput(NamedTuple):
+    """What :meth:`Trainer.train` returns."""
+
     global_step: int
     training_loss: float
     metrics: dict[str, float]
@@ -58,6 +66,8 @@ def set_seed(seed: int) -> None:
 class Trainer:
     """Train, evaluate and checkpoint a model, in mixed precision, in one call.
 
+    Hugging Face's arguments, in Hugging Face's order:
+
     Args:
         model: a Hugging Face model (keyword batches, ``.loss``) or an ``nn.Module`` returning a
             loss tensor or a dict with ``"loss"``. Trained in place; ``trainer.model`` is it.
@@ -65,9 +75,16 @@ class Trainer:
         data_collator: builds a batch from a list of samples (default: torch's ``default_collate``).
         train_dataset, eval_dataset: torch datasets, lists of dicts, or Hugging Face datasets;
             ``eval_dataset`` may be a dict of them (metrics get each name in their prefix).
-        compute_metrics: ``EvalPrediction -> dict`` of metrics.
-        callbacks: :class:`TrainerCallback` instances or classes.
+        processing_class: the tokenizer or processor (kept, passed to callbacks).
+        model_init: builds the model (seeded with ``args.seed`` first); called again by every
+            :meth:`train`, so each run starts from scratch.
+        compute_loss_func: ``(outputs, labels, num_items_in_batch) -> loss`` instead of the model's loss.
+        compute_metrics: ``EvalPrediction -> dict`` of metrics (with ``batch_eval_metrics``, also
+            ``compute_result=``: called per batch, the last call's dict is the result).
+        callbacks: :class:`TrainerCallback` instances or classes (Hugging Face's work too), after
+            the default ones (:class:`DefaultFlowCallback`, then the reporters' ones).
         optimizers: ``(optimizer, scheduler)`` to use instead of the ones ``args`` describe.
+        optimizer_cls_and_kwargs: ``(optimizer class, kwargs)`` to build the optimizer with.
         preprocess_logits_for_metrics: ``(logits, labels) -> logits`` applied per batch.
 
     Example:
@@ -78,68 +95,138 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module | None = None, args: TrainingArguments | None = None,
                  data_collator: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
-                 processing_class: Any = None, compute_metrics: Any = None, callbacks: list | None = None,
-                 optimizers: tuple[Any, Any] = (None, None), preprocess_logits_for_metrics: Any = None) -> None:
-        if model is None:
-            raise ValueError("Trainer needs a model")
+                 processing_class: Any = None, model_init: Any = None, compute_loss_func: Any = None,
+                 compute_metrics: Any = None, callbacks: list | None = None, optimizers: tuple[Any, Any] = (None, None),
+                 optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
+                 preprocess_logits_for_metrics: Any = None) -> None:
         self.args = args if args is not None else TrainingArguments()
         if not isinstance(self.args, TrainingArguments):
             raise TypeError(f"args must be mixprec.TrainingArguments, got {type(self.args).__name__}")
+        self.args.validate()
+        if model is None and model_init is None:
+            raise ValueError("Trainer needs a model, or a model_init that builds one")
+        if model_init is not None and (optimizers[0] is not None or optimizers[1] is not None):
+            raise RuntimeError("model_init builds a new model for every train(), so optimizers=(optimizer, scheduler) "
+                               "made for one model cannot be used; subclass Trainer and override create_optimizer / "
+                               "create_scheduler instead")
+        if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
+            raise RuntimeError("pass either optimizers=(optimizer, scheduler) or optimizer_cls_and_kwargs, not both")
         set_seed(self.args.seed)
+        self.model_init = model_init
+        self._setup_model(model if model is not None else self.call_model_init())
+        self.data_collator = data_collator
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.processing_class = processing_class
+        self.compute_loss_func = compute_loss_func
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        self.model_accepts_loss_kwargs = False  # the loss is the model's mean: no num_items_in_batch is passed
+        names, _ = model_input_names(self.model)
+        self.label_names = self.args.label_names or ([n for n in names if "label" in n] or ["labels"])
+        # Hugging Face's order: the flow, the reporters, the user's, then the progress display.
+        default: list[Any] = [DefaultFlowCallback]
+        default += [TensorBoardCallback] if "tensorboard" in self.args.reporters else []
+        self._jsonl = JsonlLoggerCallback() if "jsonl" in self.args.reporters else None  # the Trainer's own record
+        self.callback_handler = CallbackHandler(default + list(callbacks or []), self.model, processing_class,
+                                                self.optimizer, self.lr_scheduler)
+        self.add_callback(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
+        self.state = TrainerState(is_world_process_zero=self.accelerator.is_main_process,
+                                  is_local_process_zero=self.accelerator.local_process_index == 0,
+                                  precision=self.accelerator.policy.name)
+        self.control = TrainerControl()
+        self._event("on_init_end")
+
+    def _setup_model(self, model: torch.nn.Module) -> None:
+        """A fresh Accelerator from ``args``, with ``model`` prepared on it."""
         a = self.args
         self.accelerator = Accelerator(
             mixed_precision=a.resolved_precision, gradient_accumulation_steps=a.gradient_accumulation_steps,
             cpu=a.use_cpu, loss_scaler=a.loss_scaler, on_loss_scale_collapse=a.on_loss_scale_collapse,
             compile=a.torch_compile, bf16_true_compensation=a.bf16_true_compensation,
             bf16_true_state_dtype=a.bf16_true_state_dtype,
+            # The Trainer resumes mid-epoch from the loader's saved position (it never skips batches itself).
+            dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
             diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps, trace_overflow=a.trace_overflow,
                                           drift_every=a.drift_steps))
         self.model = model
         self.model_wrapped = self.accelerator.prepare_model(model)
-        self.data_collator = data_collator
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.processing_class = processing_class
-        self.compute_metrics = compute_metrics
-        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
-        self.optimizer, self.lr_scheduler = optimizers
-        names, _ = model_input_names(model)
-        self.label_names = self.args.label_names or ([n for n in names if "label" in n] or ["labels"])
-        default = [ProgressCallback] if not self.args.disable_tqdm else []
-        default += [JsonlLoggerCallback] if "jsonl" in self.args.reporters else []
-        default += [TensorBoardCallback] if "tensorboard" in self.args.reporters else []
-        self.callback_handler = CallbackHandler(default + list(callbacks or []))
-        self.state = TrainerState(is_world_process_zero=self.accelerator.is_main_process,
-                                  precision=self.accelerator.policy.name)
-        self.control = TrainerControl()
-        self._event("on_init_end")
+
+    def call_model_init(self, trial: Any = None) -> torch.nn.Module:
+        """The model ``model_init`` builds."""
+        model = self.model_init() if trial is None else self.model_init(trial)
+        if model is None:
+            raise RuntimeError("model_init returned None; it must return the model to train")
+        return model
 
     # -- callbacks -------------------------------------------------------------------------
     def add_callback(self, callback: TrainerCallback | type) -> None:
+        """Add a callback (an instance, or a class to instantiate)."""
         self.callback_handler.add_callback(callback)
 
     def pop_callback(self, callback: TrainerCallback | type) -> TrainerCallback | None:
+        """Remove and return the first callback of that class (or that instance)."""
         return self.callback_handler.pop_callback(callback)
 
     def remove_callback(self, callback: TrainerCallback | type) -> None:
-        self.callback_handler.pop_callback(callback)
+        """Remove the first callback of that class (or that instance)."""
+        self.callback_handler.remove_callback(callback)
 
     def _event(self, name: str, **kwargs: Any) -> TrainerControl:
-        kwargs.setdefault("model", self.model)
-        kwargs.update(optimizer=self.optimizer, lr_scheduler=self.lr_scheduler)
-        self.control = self.callback_handler.call(name, self.args, self.state, self.control, **kwargs)
+        h = self.callback_handler
+        h.model, h.optimizer, h.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
+        self.control = h.call(name, self.args, self.state, self.control, **kwargs)
         return self.control
 
+    def _load_callback_state(self) -> None:
+        """With ``restore_callback_states_from_checkpoint``: rebuild the callbacks (and the control)
+        whose state ``state.stateful_callbacks`` holds, matched by class name, in order."""
+        if not self.args.restore_callback_states_from_checkpoint:
+            return
+        cbs = self.callback_handler.callbacks
+        not_found = []
+        for name, data in (getattr(self.state, "stateful_callbacks", None) or {}).items():
+            same = [cb for cb in [*cbs, self.control] if type(cb).__name__ == name]
+            if not same:
+                not_found.append(name)
+            for cb, saved in zip(same, data if isinstance(data, list) else [data]):
+                new = type(cb)(**saved.get("args", {}))
+                for k, v in saved.get("attributes", {}).items():
+                    setattr(new, k, v)
+                if cb is self.control:
+                    self.control = new
+                else:
+                    cbs[next(i for i, c in enumerate(cbs) if c is cb)] = new
+        if not_found:
+            log.warning(f"Checkpoint included callbacks not included in current configuration. Ignoring. "
+                        f"({', '.join(not_found)})")
+
     def is_world_process_zero(self) -> bool:
+        """Whether this is the main process of the run."""
         return self.accelerator.is_main_process
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this is the main process on its machine."""
+        return self.accelerator.local_process_index == 0
+
+    def get_num_trainable_parameters(self) -> int:
+        """The number of parameters that require gradients (counted now: freezing changes it)."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     # -- data --------------------------------------------------------------------------------
     def _dataloader(self, dataset: Any, batch_size: int, shuffle: bool, checkpoint: bool) -> Any:
-        ds = prepare_dataset(dataset, self.model, remove_unused_columns=self.args.remove_unused_columns,
+        a = self.args
+        ds = prepare_dataset(dataset, self.model, remove_unused_columns=a.remove_unused_columns,
                              label_names=self.label_names, custom_collator=self.data_collator is not None)
-        kwargs = dict(batch_size=batch_size, collate_fn=self.data_collator or collate,
-                      num_workers=self.args.dataloader_num_workers, drop_last=self.args.dataloader_drop_last)
-        if shuffle and not isinstance(ds, IterableDataset):
-            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        kwargs: dict[str, Any] = dict(batch_size=batch_size, collate_fn=self.data_collator or collate,
+                                      num_workers=a.dataloader_num_workers, drop_last=a.dataloader_drop_last)
+        if a.dataloader_num_workers > 0:  # torch refuses these without worker processes
+            kwargs.update(persistent_workers=a.dataloader_persistent_workers,
+                          prefetch_factor=a.dataloader_prefetch_factor,
+                          multiprocessing_context=a.dataloader_multiprocessing_context)
+        if shuffle and not isinstance(ds, IterableDataset) and a.train_sampling_strategy == "random":
+            seed = a.data_seed if a.data_seed is not None else a.seed
             kwargs["sampler"] = RandomSampler(ds, generator=torch.Generator().manual_seed(seed))
         return self.accelerator.prepare_data_loader(DataLoader(ds, **kwargs), checkpoint=checkpoint)
 
@@ -147,17 +234,25 @@ class Trainer:
         """The training dataloader: shuffled by ``data_seed`` (else ``seed``), batches fetched at once."""
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset")
-        return self._dataloader(self.train_dataset, self.args.per_device_train_batch_size, True, checkpoint=True)
+        return self._dataloader(self.train_dataset, self.args.train_batch_size, True, checkpoint=True)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """The evaluation dataloader, in order (``eval_dataset``, else the Trainer's)."""
         ds = eval_dataset if eval_dataset is not None else self.eval_dataset
         if ds is None:
             raise ValueError("evaluation needs an eval_dataset (pass one to Trainer or to evaluate())")
-        return self._dataloader(ds, self.args.per_device_eval_batch_size, False, checkpoint=False)
+        return self._dataloader(ds, self.args.eval_batch_size, False, checkpoint=False)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        """The prediction dataloader for ``test_dataset``, in order."""
+        return self._dataloader(test_dataset, self.args.eval_batch_size, False, checkpoint=False)
 
     # -- optimizer ---------------------------------------------------------------------------
     def create_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW (or SGD) as ``args`` say; no weight decay on biases and norm weights (1-d tensors)."""
+        """AdamW (or SGD) as ``args`` say, or ``optimizer_cls_and_kwargs``; no weight decay on
+        biases and norm weights (1-d tensors). Sets and returns ``self.optimizer``."""
+        if self.optimizer is not None:
+            return self.optimizer
         a = self.args
         params = [p for p in self.model.parameters() if p.requires_grad]
         if a.weight_decay:
@@ -165,19 +260,41 @@ class Trainer:
                       {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
         else:  # one group: one fused kernel launch per step instead of two
             groups = [{"params": params, "weight_decay": 0.0}]
+        if self.optimizer_cls_and_kwargs is not None:
+            cls, kwargs = self.optimizer_cls_and_kwargs
+            self.optimizer = cls(groups, **{"lr": a.learning_rate, **kwargs})
+            return self.optimizer
         # The fast path, where it is safe: torch's fused kernels (one launch for all parameters,
         # and the loss scaler's sync-free path) give the same update as the per-parameter loop,
         # to rounding; on these CPUs a fused AdamW step is ~1.5x faster than the default one.
         fused = a.optim == "adamw_torch_fused" or _fused_supported(params)
         if a.optim == "sgd":
-            return torch.optim.SGD(groups, lr=a.learning_rate, fused=fused or None)
-        return torch.optim.AdamW(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
-                                 fused=fused or None)
+            self.optimizer = torch.optim.SGD(groups, lr=a.learning_rate, fused=fused or None)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
+                                               eps=a.adam_epsilon, fused=fused or None)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """The ``lr_scheduler_type`` schedule over ``num_training_steps``; sets and returns ``self.lr_scheduler``."""
+        if self.lr_scheduler is None:
+            self.lr_scheduler = get_scheduler(self.args.lr_scheduler_type, optimizer or self.optimizer,
+                                              self.args.warmup_for(num_training_steps), num_training_steps)
+        return self.lr_scheduler
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """:meth:`create_optimizer`, then :meth:`create_scheduler`."""
+        self.create_scheduler(num_training_steps, self.create_optimizer())
 
     # -- the loop ----------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None) -> TrainOutput:
         """Train; ``resume_from_checkpoint=True`` continues from the newest complete checkpoint in
-        ``output_dir`` (or a path), at the exact batch, with the same data order and RNG."""
+        ``output_dir`` (or a path), at the exact batch, with the same data order and RNG.
+        ``ignore_keys_for_eval``: output keys the evaluations during training leave out."""
+        if trial is not None:
+            raise ValueError("trial: hyperparameter search is not supported by mixprec's Trainer")
+        self._ignore_keys_for_eval = ignore_keys_for_eval
         steps = self._training_steps(resume_from_checkpoint)
         while True:
             try:
@@ -188,8 +305,17 @@ class Trainer:
     def _training_steps(self, resume_from_checkpoint: str | bool | None = None) -> Generator[int, None, TrainOutput]:
         """:meth:`train`'s loop, paused after each optimizer step (yielding ``global_step``), so a
         caller can interleave it with other work (``mixprec bench`` does); returns the ``TrainOutput``."""
-        args, acc = self.args, self.accelerator
+        args = self.args
+        args.validate()  # fields may have been assigned since the Trainer was made
+        if self.model_init is not None:  # every run starts from a fresh model, as in Hugging Face
+            set_seed(args.seed)
+            self._setup_model(self.call_model_init())
+            self.optimizer = self.lr_scheduler = None
+        acc = self.accelerator
+        if args.should_checkpoint_activations:
+            self._enable_activation_checkpointing()
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        resume_path = checkpoint_to_resume(Path(args.output_dir), resume) if resume else None
         train_dl = self.get_train_dataloader()
         try:
             self._batches_per_epoch = len(train_dl)
@@ -203,24 +329,21 @@ class Trainer:
         else:
             max_steps = math.ceil(args.num_train_epochs * per_epoch)
         num_epochs = math.ceil(max_steps / per_epoch) if per_epoch else 2**62
-        if self.optimizer is None:
-            self.optimizer = self.create_optimizer()
-        if self.lr_scheduler is None:
-            self.lr_scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, args.warmup_for(max_steps), max_steps)
+        self.create_optimizer_and_scheduler(max_steps)
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
         model = self.model_wrapped  # compiled by the Accelerator when torch_compile=True
-        self.state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs, logging_steps=args.logging_steps,
-                                  eval_steps=args.eval_steps, save_steps=args.save_steps,
-                                  train_batch_size=args.per_device_train_batch_size,
-                                  is_world_process_zero=acc.is_main_process, precision=acc.policy.name)
-        if resume:
-            path = checkpoint_to_resume(Path(args.output_dir), resume)
-            acc.load_state(path)
-            saved = TrainerState.load_from_json(path / "trainer_state.json")
+        self.state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs,
+                                  train_batch_size=args.train_batch_size, is_world_process_zero=acc.is_main_process,
+                                  is_local_process_zero=acc.local_process_index == 0, precision=acc.policy.name)
+        self.state.compute_steps(args, max_steps)
+        if resume_path is not None:
+            acc.load_state(resume_path)
+            saved = TrainerState.load_from_json(resume_path / "trainer_state.json")
             # The run continues as saved, but for as long as *these* arguments say (as in Hugging Face).
             saved.max_steps, saved.num_train_epochs = max_steps, num_epochs
-            saved.logging_steps, saved.eval_steps, saved.save_steps = args.logging_steps, args.eval_steps, args.save_steps
+            saved.compute_steps(args, max_steps)
             self.state = saved
+            self._load_callback_state()
         self._loss_since_log = torch.tensor(self.state.loss_since_log, device=acc.device)
         self._steps_since_log = self.state.steps_since_log
         self._micro_in_step = 0
@@ -228,10 +351,14 @@ class Trainer:
         self._grad_norm = None
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # listed once, not per step
         start_time = time.time()
-        self._event("on_train_begin", train_dataloader=train_dl)
-        for epoch in range(train_dl.epoch, num_epochs):
+        self.callback_handler.train_dataloader = train_dl
+        self._event("on_train_begin")
+        if args.eval_on_start:
+            self.evaluate(ignore_keys=self._ignore_keys_for_eval)
+        epochs = range(train_dl.epoch, num_epochs) if self.state.global_step < max_steps else range(0)
+        for epoch in epochs:
             train_dl.set_epoch(epoch)
-            self._event("on_epoch_begin", train_dataloader=train_dl)
+            self._event("on_epoch_begin")
             for batch in train_dl:
                 with acc.accumulate(model):
                     stepped = self._train_one(model, batch, epoch, train_dl)
@@ -239,12 +366,21 @@ class Trainer:
                     yield self.state.global_step
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
-            self.control.should_epoch_stop = False
-            self._event("on_epoch_end", train_dataloader=train_dl)
-            self._maybe_log_save_evaluate(model, epoch_end=True)
+            self._event("on_epoch_end")
+            self._maybe_log_save_evaluate(model)
             if self.control.should_training_stop or self.state.global_step >= max_steps:
                 break
         return self._finish(start_time)
+
+    def _enable_activation_checkpointing(self) -> None:
+        inner = self.accelerator.unwrap_model(self.model)
+        if not hasattr(inner, "gradient_checkpointing_enable"):
+            raise ValueError(f"gradient_checkpointing=True needs a model with gradient_checkpointing_enable() (a "
+                             f"Hugging Face PreTrainedModel); {type(inner).__name__} has none: wrap its blocks in "
+                             "torch.utils.checkpoint.checkpoint yourself and leave gradient_checkpointing off")
+        a = self.args
+        kwargs = a.gradient_checkpointing_kwargs or a.activation_checkpointing_kwargs
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     def _train_one(self, model: torch.nn.Module, batch: Any, epoch: int, train_dl: Any) -> bool:
         """One micro-batch; returns whether it ended with an optimizer step."""
@@ -253,16 +389,22 @@ class Trainer:
             self._event("on_step_begin")
             if args.drift_steps and self.state.global_step % args.drift_steps == 0:
                 self._log_drift(model, batch)
-        loss = self.training_step(model, batch)
-        self._loss_since_log = self._loss_since_log + loss / args.gradient_accumulation_steps
+        loss = self.training_step(model, batch) / args.gradient_accumulation_steps
+        if args.logging_nan_inf_filter:
+            # Hugging Face's filter: a non-finite loss counts as the mean of those since the last
+            # log. On the device (torch.where), so the filter costs no host sync.
+            loss = torch.where(torch.isfinite(loss), loss, self._loss_since_log / (1 + self._steps_since_log))
+        self._loss_since_log = self._loss_since_log + loss
         self._micro_in_step += 1
         if not acc.sync_gradients:
+            self._event("on_substep_end")
             return False
         self._micro_in_step = 0
         # The step a reader can hold in their head: (scaled backward done) -> unscale + clip -> step or
         # skip (inside optimizer.step) -> schedule (only if applied) -> zero.
         if args.max_grad_norm:
             self._grad_norm = acc.clip_grad_norm_(self._trainable, args.max_grad_norm)
+        self._event("on_pre_optimizer_step")
         self.optimizer.step()
         self._event("on_optimizer_step")
         self.lr_scheduler.step()
@@ -271,10 +413,9 @@ class Trainer:
         self._steps_since_log += 1
         self.state.epoch = epoch + (train_dl.batches_yielded / self._batches_per_epoch if self._batches_per_epoch else 0)
         self._event("on_step_end")
-        if self.state.global_step >= self.state.max_steps:
+        if self.state.global_step >= self.state.max_steps:  # stops even without DefaultFlowCallback
             self.control.should_training_stop = True
-            self.control.should_save = self.control.should_save or args.save_strategy == "steps"
-        self._maybe_log_save_evaluate(model, epoch_end=False)
+        self._maybe_log_save_evaluate(model)
         return True
 
     def _log_drift(self, model: torch.nn.Module, batch: Any) -> None:
@@ -299,7 +440,13 @@ class Trainer:
 
     def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        """The model's loss on ``inputs`` (override for a custom loss)."""
+        """The model's loss on ``inputs`` (override for a custom loss; or pass ``compute_loss_func``)."""
+        if self.compute_loss_func is not None and isinstance(inputs, dict) and "labels" in inputs:
+            inputs = dict(inputs)
+            labels = inputs.pop("labels")
+            outputs = call_model(model, inputs, self.model)
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+            return (loss, outputs) if return_outputs else loss
         outputs = call_model(model, inputs, self.model)
         loss = extract_loss(outputs)
         if loss is None:
@@ -313,27 +460,19 @@ class Trainer:
         return (loss, outputs) if return_outputs else loss
 
     # -- log / evaluate / save ------------------------------------------------------------
-    def _due(self, strategy: str, every: int | None, epoch_end: bool) -> bool:
-        if strategy == "epoch":
-            return epoch_end
-        return strategy == "steps" and not epoch_end and self.state.global_step % every == 0
-
-    def _maybe_log_save_evaluate(self, model: torch.nn.Module, epoch_end: bool) -> None:
-        a, s, c = self.args, self.state, self.control
-        first = a.logging_first_step and s.global_step == 1 and not epoch_end
-        if (self._due(a.logging_strategy, a.logging_steps, epoch_end) or first or c.should_log) \
-                and self._done["log"] != s.global_step and self._steps_since_log:
+    def _maybe_log_save_evaluate(self, model: torch.nn.Module) -> None:
+        """Log, evaluate and save as the control says (the DefaultFlowCallback decides, Hugging Face's way)."""
+        s, c = self.state, self.control
+        if c.should_log and self._done["log"] != s.global_step and self._steps_since_log:
             self._log_training()
         metrics = None
-        if (self._due(a.eval_strategy, a.eval_steps, epoch_end) or c.should_evaluate) \
-                and self._done["evaluate"] != s.global_step and self.eval_dataset is not None:
-            metrics = self.evaluate()
+        if c.should_evaluate and self._done["evaluate"] != s.global_step and self.eval_dataset is not None:
+            metrics = self.evaluate(ignore_keys=getattr(self, "_ignore_keys_for_eval", None))
             self._done["evaluate"] = s.global_step
         improved = self._track_best(metrics) if metrics is not None else False
-        if (self._due(a.save_strategy, a.save_steps, epoch_end) or c.should_save) and self._done["save"] != s.global_step:
+        if c.should_save and self._done["save"] != s.global_step:
             self._save_checkpoint(improved)
             self._done["save"] = s.global_step
-        c.should_log = c.should_evaluate = c.should_save = False
 
     def _log_training(self) -> None:
         acc, s = self.accelerator, self.state
@@ -360,11 +499,14 @@ class Trainer:
         self.state.skipped_steps = values.get("skipped_steps", self.state.skipped_steps)
         return values
 
-    def log(self, logs: dict[str, Any]) -> None:
-        """Record ``logs`` in ``state.log_history`` and hand them to the callbacks (``on_log``)."""
-        entry = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
-        self.state.log_history.append(entry)
-        self._event("on_log", logs=dict(logs, epoch=entry["epoch"]))
+    def log(self, logs: dict[str, Any], start_time: float | None = None) -> None:
+        """Record ``logs`` in ``state.log_history`` (with ``epoch`` and ``step``), append them to
+        ``metrics.jsonl`` (``report_to="jsonl"``) and hand them to the callbacks (``on_log``)."""
+        epoch = round(self.state.epoch, 4)
+        self.state.log_history.append({**logs, "epoch": epoch, "step": self.state.global_step})
+        if self._jsonl is not None:
+            self._jsonl.on_log(self.args, self.state, self.control, logs=dict(logs, epoch=epoch))
+        self._event("on_log", logs=dict(logs, epoch=epoch))
 
     def _metric_key(self) -> str:
         name = self.args.metric_for_best_model
@@ -389,15 +531,26 @@ class Trainer:
         path = out / f"checkpoint-{self.state.global_step}"
         if improved:
             self.state.best_model_checkpoint = str(path)
+            self.state.best_global_step = self.state.global_step
         self._read_scaler_into_state()
         self.state.loss_since_log = float(self._loss_since_log)
         self.state.steps_since_log = self._steps_since_log
-        self.accelerator.save_state(path, extra_files={"trainer_state.json": self.state.to_json_string(),
-                                                       "training_args.json": self.args.to_json_string()})
+        self.state.stateful_callbacks = export_states([*self.callback_handler.callbacks, self.control])
+        files = {"trainer_state.json": self.state.to_json_string(),
+                 "mixprec_trainer_state.json": self.state.mixprec_json_string(),
+                 "training_args.json": self.args.to_json_string(), "training_args.bin": self._args_bin()}
+        write_trainer_checkpoint(self.accelerator, path, self.accelerator.unwrap_model(self.model), files)
         if self.accelerator.is_main_process:
             rotate_checkpoints(out, self.args.save_total_limit, self.state.best_model_checkpoint)
         self._event("on_save")
         return path
+
+    def _args_bin(self) -> bytes:
+        """``training_args.bin``: the arguments pickled with ``torch.save``, as Hugging Face writes them
+        (for tools that read them back; mixprec itself never unpickles it)."""
+        buf = io.BytesIO()
+        torch.save(self.args, buf)
+        return buf.getvalue()
 
     def _finish(self, start_time: float) -> TrainOutput:
         s = self.state
@@ -406,7 +559,7 @@ class Trainer:
         runtime = time.time() - start_time
         if self.args.load_best_model_at_end and s.best_model_checkpoint is not None:
             safetensors.torch.load_model(self.accelerator.unwrap_model(self.model),
-                                         str(Path(s.best_model_checkpoint) / "model_0.safetensors"),
+                                         str(weights_file(Path(s.best_model_checkpoint))),
                                          device=str(self.accelerator.device))
         metrics = {"train_runtime": round(runtime, 4),
                    "train_samples_per_second": round(s.global_step * self.args.per_device_train_batch_size
@@ -428,7 +581,7 @@ class Trainer:
             for name, part in ds.items():
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
-        out = evaluation_loop(self, self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix, self._eval_autocast)
+        out = self._run_evaluation(self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix)
         self.log(out.metrics)
         self._event("on_evaluate", metrics=out.metrics)
         return out.metrics
@@ -436,10 +589,16 @@ class Trainer:
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (numpy), labels (where present) and metrics on ``test_dataset``."""
-        out = evaluation_loop(self, self.get_eval_dataloader(test_dataset), ignore_keys, metric_key_prefix,
-                              self._eval_autocast)
+        out = self._run_evaluation(self.get_test_dataloader(test_dataset), ignore_keys, metric_key_prefix)
         self._event("on_predict", metrics=out.metrics)
         return out
+
+    def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str) -> PredictionOutput:
+        self.callback_handler.eval_dataloader = dl
+        return evaluation_loop(self, dl, ignore_keys, prefix, self._eval_autocast,
+                               on_step=lambda: self._event("on_prediction_step"),
+                               prediction_loss_only=self.args.prediction_loss_only,
+                               batch_metrics=self.args.batch_eval_metrics)
 
     def _eval_autocast(self) -> Any:
         # fp16_full_eval / bf16_full_eval: evaluation computes in that dtype. mixprec autocasts
@@ -450,8 +609,9 @@ class Trainer:
         return contextlib.nullcontext()
 
     # -- models out ------------------------------------------------------------------------
-    def save_model(self, output_dir: str | None = None) -> Path:
-        """Save the model's weights (safetensors; ``save_pretrained`` for Hugging Face models)."""
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> Path:
+        """Save the model's weights (safetensors; ``save_pretrained`` for Hugging Face models) and
+        the arguments (``training_args.json``, and ``training_args.bin`` as Hugging Face writes it)."""
         out = Path(output_dir or self.args.output_dir)
         model = self.accelerator.unwrap_model(self.model)
         if hasattr(model, "save_pretrained") and hasattr(model, "config"):
@@ -462,6 +622,7 @@ class Trainer:
             self.accelerator.save_model(model, out)
         if self.accelerator.is_main_process:
             self.args.to_json_file(out / "training_args.json")
+            (out / "training_args.bin").write_bytes(self._args_bin())
         return out
 
 
