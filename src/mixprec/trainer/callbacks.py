@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -279,6 +281,26 @@ def _handler_method(event: str) -> Any:
 
 for _event in EVENTS:
     setattr(CallbackHandler, _event, _handler_method(_event))
+
+
+def hf_compatible(cls: type) -> type:
+    """``cls``, or, where the program has imported transformers' callbacks, a subclass of ``cls``
+    and of transformers' class of the same name (mixprec's methods first).
+
+    Code written for Hugging Face tests or removes the default callbacks by transformers'
+    classes (``trainer.remove_callback(transformers.PrinterCallback)``,
+    ``isinstance(cb, transformers.DefaultFlowCallback)``); with this, it finds mixprec's. Nothing
+    is imported: without transformers in ``sys.modules``, ``cls`` itself is returned.
+    """
+    module = sys.modules.get("transformers.trainer_callback")
+    theirs = getattr(module, cls.__name__, None) if module is not None else None
+    return _mixed(cls, theirs) if isinstance(theirs, type) and not issubclass(cls, theirs) else cls
+
+
+@functools.cache
+def _mixed(ours: type, theirs: type) -> type:
+    return type(ours.__name__, (ours, theirs), {"__module__": ours.__module__, "__qualname__": ours.__qualname__,
+                                                "__doc__": ours.__doc__})
 
 
 class DefaultFlowCallback(TrainerCallback):

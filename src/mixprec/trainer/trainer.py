@@ -38,6 +38,7 @@ from .callbacks import (
     TrainerControl,
     TrainerState,
     export_states,
+    hf_compatible,
     log,
 )
 from .checkpoints import checkpoint_to_resume, rotate_checkpoints, weights_file, write_trainer_checkpoint
@@ -126,12 +127,12 @@ class Trainer:
         names, _ = model_input_names(self.model)
         self.label_names = self.args.label_names or ([n for n in names if "label" in n] or ["labels"])
         # Hugging Face's order: the flow, the reporters, the user's, then the progress display.
-        default: list[Any] = [DefaultFlowCallback]
+        default: list[Any] = [hf_compatible(DefaultFlowCallback)]
         default += [TensorBoardCallback] if "tensorboard" in self.args.reporters else []
         self._jsonl = JsonlLoggerCallback() if "jsonl" in self.args.reporters else None  # the Trainer's own record
         self.callback_handler = CallbackHandler(default + list(callbacks or []), self.model, processing_class,
                                                 self.optimizer, self.lr_scheduler)
-        self.add_callback(PrinterCallback if self.args.disable_tqdm else ProgressCallback)
+        self.add_callback(hf_compatible(PrinterCallback if self.args.disable_tqdm else ProgressCallback))
         self.state = TrainerState(is_world_process_zero=self.accelerator.is_main_process,
                                   is_local_process_zero=self.accelerator.local_process_index == 0,
                                   precision=self.accelerator.policy.name)
