@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
@@ -11,7 +10,7 @@ import torch
 
 from .outputs import call_model, extract_logits, extract_loss, nested_concat, to_numpy
 
-__all__ = ["EvalPrediction", "PredictionOutput", "evaluation_loop"]
+__all__ = ["EvalPrediction", "PredictionOutput", "evaluation_loop", "predict_batch"]
 
 
 class EvalPrediction(NamedTuple):
@@ -37,13 +36,26 @@ class Evaluated(Protocol):
     compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None
 
+    def prediction_step(self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]: ...
 
-def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, prefix: str,
-                    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, *,
+
+def predict_batch(trainer: Evaluated, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
+                  ignore_keys: list[str] | None) -> tuple[Any, Any, Any]:
+    """``(loss, logits, labels)`` of one batch, without gradients (``Trainer.prediction_step``'s work)."""
+    with torch.no_grad():
+        outputs = call_model(model, inputs, trainer.model)
+    loss = extract_loss(outputs)
+    loss = loss.detach() if loss is not None else None
+    if prediction_loss_only:
+        return loss, None, None
+    return loss, extract_logits(outputs, ignore_keys or []), _labels(inputs, trainer.label_names)
+
+
+def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, prefix: str, *,
                     on_step: Callable[[], Any] | None = None, prediction_loss_only: bool = False,
                     batch_metrics: bool = False) -> PredictionOutput:
-    """Run ``dl`` through the trainer's model without gradients, each batch inside ``context()``;
-    metrics are named ``{prefix}_...``.
+    """Run ``dl`` through ``trainer.prediction_step`` batch by batch; metrics are named ``{prefix}_...``.
 
     Args:
         on_step: called after each batch (the Trainer's ``on_prediction_step`` event).
@@ -59,15 +71,11 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
     batch_result: dict[str, float] | None = None
     start, n = time.time(), 0
     for inputs, last in _with_last(dl):
-        with torch.no_grad(), context():
-            outputs = call_model(model, inputs, trainer.model)
+        loss, logits, label = trainer.prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         bs = _batch_size(inputs)
-        loss = extract_loss(outputs)
         if loss is not None:
-            losses.append(acc.gather_for_metrics(loss.detach().float().reshape(1).repeat(bs)).cpu())
+            losses.append(acc.gather_for_metrics(loss.float().reshape(1).repeat(bs)).cpu())
         if not prediction_loss_only:
-            logits = extract_logits(outputs, ignore_keys or [])
-            label = _labels(inputs, trainer.label_names)
             if logits is not None and trainer.preprocess_logits_for_metrics is not None:
                 logits = trainer.preprocess_logits_for_metrics(logits, label)
             logits = acc.gather_for_metrics(logits) if logits is not None else None

@@ -43,7 +43,7 @@ from .callbacks import (
 )
 from .checkpoints import checkpoint_to_resume, rotate_checkpoints, weights_file, write_trainer_checkpoint
 from .data import collate, model_input_names, prepare_dataset
-from .evaluation import EvalPrediction, PredictionOutput, evaluation_loop
+from .evaluation import EvalPrediction, PredictionOutput, evaluation_loop, predict_batch
 from .outputs import call_model, extract_loss
 from .schedules import get_scheduler
 
@@ -596,10 +596,17 @@ class Trainer:
 
     def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str) -> PredictionOutput:
         self.callback_handler.eval_dataloader = dl
-        return evaluation_loop(self, dl, ignore_keys, prefix, self._eval_autocast,
+        return evaluation_loop(self, dl, ignore_keys, prefix,
                                on_step=lambda: self._event("on_prediction_step"),
                                prediction_loss_only=self.args.prediction_loss_only,
                                batch_metrics=self.args.batch_eval_metrics)
+
+    def prediction_step(self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        """``(loss, logits, labels)`` of one evaluation batch, without gradients (override to change
+        what evaluation computes; ``logits`` is everything the model returned but the loss)."""
+        with self._eval_autocast():
+            return predict_batch(self, model, inputs, prediction_loss_only, ignore_keys)
 
     def _eval_autocast(self) -> Any:
         # fp16_full_eval / bf16_full_eval: evaluation computes in that dtype. mixprec autocasts
