@@ -243,3 +243,15 @@ def test_an_accelerator_with_prepared_dataloaders_pickles():
     back = pickle.loads(pickle.dumps(acc))
     assert len(back._dataloaders) == 1
     assert [x.sum().item() for x, _ in back._dataloaders[0]] == [x.sum().item() for x, _ in dl]
+
+
+def test_every_expected_failure_of_the_peer_suites_says_why():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("run_peer", Path(__file__).parent / "peer" / "run_peer.py")
+    run_peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_peer)
+    listed = run_peer.expected_failures()
+    assert listed and all(len(why) > 20 for why in listed.values()), listed
+    assert all("::" in test for test in listed)
