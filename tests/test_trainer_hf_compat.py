@@ -238,14 +238,49 @@ def test_stateful_callbacks_are_rebuilt_from_the_checkpoint_when_asked(tmp_path)
     assert len(cb) == 1 and (cb[0].early_stopping_patience, cb[0].early_stopping_threshold) == (5, 0.25)
 
 
-def test_a_hugging_face_model_checkpoint_loads_with_from_pretrained(tmp_path):
+def test_save_strategy_best_saves_only_when_the_metric_improves(tmp_path):
+    scores = iter([1.0, 3.0, 2.0])
+    trainer = make(tmp_path, eval_strategy="steps", eval_steps=2, save_strategy="best", max_steps=6,
+                   metric_for_best_model="score")
+    trainer.compute_metrics = lambda p: {"score": next(scores)}
+    trainer.train()
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert trainer.state.best_global_step == 4
+    with pytest.raises(ValueError, match="save_strategy='best'.*metric_for_best_model"):
+        TrainingArguments("out", save_strategy="best", eval_strategy="epoch")
+
+
+def test_prediction_step_is_what_evaluation_calls_and_results_are_written_as_hugging_face_does(tmp_path, capsys):
+    class Shifted(Trainer):
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            return loss, logits + 100, labels
+
+    data = line_data(8)
+    trainer = Shifted(Line(), TrainingArguments(str(tmp_path), report_to="none", disable_tqdm=True))
+    out = trainer.predict(data)
+    assert out.predictions.tolist() == [100.0] * 8 and "test_loss" in out.metrics
+    trainer.log_metrics("test", out.metrics)
+    assert "***** test metrics *****" in capsys.readouterr().out
+    trainer.save_metrics("test", out.metrics)
+    trainer.save_state()
+    assert json.loads((tmp_path / "all_results.json").read_text())["test_loss"] == out.metrics["test_loss"]
+    assert json.loads((tmp_path / "trainer_state.json").read_text())["global_step"] == 0
+
+
+def test_a_hugging_face_model_trains_with_gradient_checkpointing_and_its_checkpoint_loads_with_from_pretrained(
+        tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg)
     x = torch.randint(0, 16, (8,))
     data = [{"input_ids": x, "labels": x}] * 8
-    args = TrainingArguments(str(tmp_path), max_steps=2, save_steps=2, report_to="none", disable_tqdm=True)
+    args = TrainingArguments(str(tmp_path), max_steps=2, save_steps=2, report_to="none", disable_tqdm=True,
+                             gradient_checkpointing=True)
     Trainer(model, args, train_dataset=data).train()
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
     back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "checkpoint-2"))
     torch.testing.assert_close(back.transformer.wte.weight, model.transformer.wte.weight)
+    with pytest.raises(ValueError, match="gradient_checkpointing=True needs a model with gradient_checkpointing_enable"):
+        make(tmp_path, gradient_checkpointing=True).train()

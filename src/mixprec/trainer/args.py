@@ -276,8 +276,13 @@ class TrainingArguments:
             if value != default:
                 raise ValueError(f"{name}={value!r} is not supported by mixprec's Trainer ({why}); leave {name} at "
                                  f"its default {default!r}")
-        for name in ("eval_strategy", "save_strategy", "logging_strategy"):
+        for name in ("eval_strategy", "logging_strategy"):
             _one_of(name, getattr(self, name), _STRATEGIES)
+        _one_of("save_strategy", self.save_strategy, (*_STRATEGIES, "best"))
+        if self.save_strategy == "best" and ((self.metric_for_best_model is None and not self.load_best_model_at_end)
+                                             or self.eval_strategy == "no"):
+            raise ValueError("save_strategy='best' saves when an evaluation finds a new best metric_for_best_model: "
+                             "set metric_for_best_model (e.g. 'loss') and eval_strategy to 'steps' or 'epoch'")
         _one_of("optim", self.optim, _OPTIMIZERS)
         _one_of("train_sampling_strategy", self.train_sampling_strategy, _SAMPLING)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
@@ -307,11 +312,11 @@ class TrainingArguments:
         if self.load_best_model_at_end:
             if self.eval_strategy == "no":
                 raise ValueError("load_best_model_at_end=True needs evaluation: set eval_strategy to 'steps' or 'epoch'")
-            if self.save_strategy != self.eval_strategy:
+            if self.save_strategy not in (self.eval_strategy, "best"):
                 raise ValueError(f"load_best_model_at_end=True needs save_strategy and eval_strategy to match, got "
                                  f"save_strategy={self.save_strategy!r}, eval_strategy={self.eval_strategy!r}; set both "
                                  "to the same value")
-            if self.eval_strategy == "steps":
+            if self.eval_strategy == "steps" and self.save_strategy == "steps":
                 self._check_save_is_multiple_of_eval()
             if self.metric_for_best_model is None:
                 self.metric_for_best_model = "loss"

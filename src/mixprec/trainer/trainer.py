@@ -45,6 +45,7 @@ from .checkpoints import checkpoint_to_resume, rotate_checkpoints, weights_file,
 from .data import collate, model_input_names, prepare_dataset
 from .evaluation import EvalPrediction, PredictionOutput, evaluation_loop, predict_batch
 from .outputs import call_model, extract_loss
+from .reports import format_metrics, print_metrics, write_metrics
 from .schedules import get_scheduler
 
 __all__ = ["Trainer", "TrainOutput", "EvalPrediction", "PredictionOutput", "set_seed"]
@@ -375,13 +376,16 @@ class Trainer:
 
     def _enable_activation_checkpointing(self) -> None:
         inner = self.accelerator.unwrap_model(self.model)
-        if not hasattr(inner, "gradient_checkpointing_enable"):
+        a = self.args
+        kwargs = a.activation_checkpointing_kwargs or a.gradient_checkpointing_kwargs
+        if hasattr(inner, "activation_checkpointing_enable"):  # transformers >= 5's name
+            inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        elif hasattr(inner, "gradient_checkpointing_enable"):
+            inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
             raise ValueError(f"gradient_checkpointing=True needs a model with gradient_checkpointing_enable() (a "
                              f"Hugging Face PreTrainedModel); {type(inner).__name__} has none: wrap its blocks in "
                              "torch.utils.checkpoint.checkpoint yourself and leave gradient_checkpointing off")
-        a = self.args
-        kwargs = a.gradient_checkpointing_kwargs or a.activation_checkpointing_kwargs
-        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     def _train_one(self, model: torch.nn.Module, batch: Any, epoch: int, train_dl: Any) -> bool:
         """One micro-batch; returns whether it ended with an optimizer step."""
@@ -471,6 +475,8 @@ class Trainer:
             metrics = self.evaluate(ignore_keys=getattr(self, "_ignore_keys_for_eval", None))
             self._done["evaluate"] = s.global_step
         improved = self._track_best(metrics) if metrics is not None else False
+        if metrics is not None and self.args.save_strategy == "best":
+            c.should_save = improved
         if c.should_save and self._done["save"] != s.global_step:
             self._save_checkpoint(improved)
             self._done["save"] = s.global_step
@@ -631,7 +637,39 @@ class Trainer:
         if self.accelerator.is_main_process:
             self.args.to_json_file(out / "training_args.json")
             (out / "training_args.bin").write_bytes(self._args_bin())
+            if hasattr(self.processing_class, "save_pretrained"):  # the tokenizer beside the model, as in HF
+                self.processing_class.save_pretrained(str(out))
         return out
+
+    def save_state(self) -> None:
+        """Write ``trainer_state.json`` into ``output_dir`` (main process only), as Hugging Face does."""
+        if self.accelerator.is_main_process:
+            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+            self.state.save_to_json(Path(self.args.output_dir) / "trainer_state.json")
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print ``metrics`` readably under ``***** {split} metrics *****`` (main process only)."""
+        if self.accelerator.is_main_process:
+            print_metrics(split, metrics)
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """Write ``output_dir/{split}_results.json`` (and merge into ``all_results.json``)."""
+        if self.accelerator.is_main_process:
+            write_metrics(self.args.output_dir, split, metrics, combined)
+
+    def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """``metrics`` made readable (runtimes as h:mm:ss, floats to 4 digits)."""
+        return format_metrics(metrics)
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        """Not supported: mixprec does not upload (push ``output_dir`` with ``huggingface_hub``)."""
+        raise NotImplementedError("Trainer.push_to_hub is not supported by mixprec; upload output_dir with "
+                                  "huggingface_hub.upload_folder(repo_id=..., folder_path=args.output_dir)")
+
+    def hyperparameter_search(self, *args: Any, **kwargs: Any) -> None:
+        """Not supported: run your search library's loop around ``Trainer(model_init=...).train()``."""
+        raise NotImplementedError("Trainer.hyperparameter_search is not supported by mixprec; call train() from "
+                                  "your search library's objective (model_init builds a fresh model each time)")
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:
