@@ -14,7 +14,8 @@ import safetensors.torch
 import torch
 
 from mixprec import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
-from mixprec.trainer.callbacks import DefaultFlowCallback, PrinterCallback, ProgressCallback, hf_compatible
+from mixprec.trainer.callbacks import DefaultFlowCallback, hf_compatible
+from mixprec.trainer.reporters import PrinterCallback, ProgressCallback
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
 

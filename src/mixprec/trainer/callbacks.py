@@ -1,29 +1,24 @@
-"""Trainer state, control and callbacks, with Hugging Face's event names and arguments."""
+"""Trainer callbacks: the base class, the handler that calls them, the flow and early stopping,
+with Hugging Face's event names, arguments and control-flag rules."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import logging
-import math
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from .trainer_state import ExportableState, TrainerControl, TrainerState
+
 __all__ = [
-    "TrainerState",
+    "TrainerState",  # re-exported from trainer_state
     "TrainerControl",
+    "ExportableState",
     "TrainerCallback",
     "CallbackHandler",
     "DefaultFlowCallback",
     "EarlyStoppingCallback",
-    "ExportableState",
-    "PrinterCallback",
-    "ProgressCallback",
-    "JsonlLoggerCallback",
-    "TensorBoardCallback",
+    "hf_compatible",
 ]
 
 log = logging.getLogger("mixprec.trainer")
@@ -31,150 +26,6 @@ log = logging.getLogger("mixprec.trainer")
 EVENTS = ("on_init_end", "on_train_begin", "on_epoch_begin", "on_step_begin", "on_pre_optimizer_step",
           "on_optimizer_step", "on_substep_end", "on_step_end", "on_evaluate", "on_predict", "on_save", "on_log",
           "on_prediction_step", "on_epoch_end", "on_train_end", "on_push_begin")
-
-# mixprec's own bookkeeping in TrainerState: saved beside trainer_state.json (in
-# mixprec_trainer_state.json), so that Hugging Face's TrainerState.load_from_json reads the file.
-MIXPREC_STATE_FIELDS = ("skipped_steps", "loss_scale", "precision", "total_loss", "loss_since_log", "steps_since_log")
-
-
-@dataclass
-class TrainerState:
-    """Where training stands; saved as ``trainer_state.json`` in every checkpoint.
-
-    Hugging Face's fields (``global_step``, ``epoch``, ``max_steps``, ``log_history``,
-    ``best_metric``, ``best_model_checkpoint``, ``stateful_callbacks``, ...) plus mixprec's
-    ``skipped_steps`` (optimizer steps skipped for inf/NaN gradients) and ``loss_scale`` (the
-    current fp16 loss scale). ``trainer_state.json`` holds Hugging Face's fields only (its
-    ``TrainerState.load_from_json`` reads it); :meth:`mixprec_json_string` holds the rest.
-    """
-
-    epoch: float = 0.0
-    global_step: int = 0
-    max_steps: int = 0
-    logging_steps: float = 500
-    eval_steps: float = 500
-    save_steps: float = 500
-    train_batch_size: int | None = None
-    num_train_epochs: int = 0
-    num_input_tokens_seen: int = 0
-    total_flos: float = 0
-    log_history: list[dict[str, Any]] = field(default_factory=list)
-    best_metric: float | None = None
-    best_global_step: int | None = None
-    best_model_checkpoint: str | None = None
-    is_local_process_zero: bool = True
-    is_world_process_zero: bool = True
-    is_hyper_param_search: bool = False
-    trial_name: str | None = None
-    trial_params: dict[str, Any] | None = None
-    stateful_callbacks: dict[str, Any] = field(default_factory=dict)
-    skipped_steps: int = 0
-    loss_scale: float | None = None
-    precision: str = "fp32"
-    # The loss bookkeeping between logs, so that a resumed run logs what the uninterrupted one would.
-    total_loss: float = 0.0
-    loss_since_log: float = 0.0
-    steps_since_log: int = 0
-
-    def compute_steps(self, args: Any, max_steps: int) -> None:
-        """``logging_steps``, ``eval_steps``, ``save_steps`` from ``args``, fractions below 1 of ``max_steps``."""
-        for kind in ("logging", "eval", "save"):
-            n = getattr(args, f"{kind}_steps")
-            if n is not None:
-                setattr(self, f"{kind}_steps", math.ceil(max_steps * n) if n < 1 else n)
-
-    def to_json_string(self) -> str:
-        """Hugging Face's fields as JSON (what ``trainer_state.json`` holds)."""
-        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in MIXPREC_STATE_FIELDS}
-        return json.dumps(data, indent=2, sort_keys=True) + "\n"
-
-    def mixprec_json_string(self) -> str:
-        """mixprec's own fields as JSON (``mixprec_trainer_state.json`` beside ``trainer_state.json``)."""
-        return json.dumps({k: getattr(self, k) for k in MIXPREC_STATE_FIELDS}, indent=2, sort_keys=True) + "\n"
-
-    def save_to_json(self, path: str | Path) -> None:
-        """Write :meth:`to_json_string` to ``path``."""
-        Path(path).write_text(self.to_json_string())
-
-    @classmethod
-    def load_from_json(cls, path: str | Path) -> TrainerState:
-        """Read ``trainer_state.json`` (and ``mixprec_trainer_state.json`` beside it, where present)."""
-        path = Path(path)
-        data = json.loads(path.read_text())
-        extra = path.with_name("mixprec_trainer_state.json")
-        if extra.is_file():
-            data.update(json.loads(extra.read_text()))
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
-class ExportableState:
-    """A callback (or the control) whose settings a checkpoint keeps (Hugging Face's protocol).
-
-    :meth:`state` returns ``{"args": ..., "attributes": ...}``: the object is rebuilt as
-    ``type(obj)(**args)`` with ``attributes`` set on it when a run resumes with
-    ``restore_callback_states_from_checkpoint=True``. Any callback with such a ``state()``
-    method qualifies (Hugging Face's own callbacks too).
-    """
-
-    def state(self) -> dict[str, Any]:
-        raise NotImplementedError("an ExportableState must implement state()")
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Any:
-        """The object :meth:`state` describes."""
-        obj = cls(**state.get("args", {}))
-        for k, v in state.get("attributes", {}).items():
-            setattr(obj, k, v)
-        return obj
-
-
-def is_exportable(obj: Any) -> bool:
-    """Whether ``obj`` has ``state()`` in Hugging Face's sense (mixprec's or transformers' ExportableState)."""
-    return isinstance(obj, ExportableState) or any(c.__name__ == "ExportableState" for c in type(obj).__mro__)
-
-
-def export_states(objects: list[Any]) -> dict[str, Any]:
-    """``{class name: state()}`` of the exportable ``objects`` (a list where a class has several)."""
-    out: dict[str, Any] = {}
-    for obj in objects:
-        if not is_exportable(obj):
-            continue
-        name, st = type(obj).__name__, obj.state()
-        if name in out:
-            out[name] = (out[name] if isinstance(out[name], list) else [out[name]]) + [st]
-        else:
-            out[name] = st
-    return out
-
-
-@dataclass
-class TrainerControl(ExportableState):
-    """What the callbacks ask the loop to do next.
-
-    As in Hugging Face: ``should_training_stop`` is cleared when training begins,
-    ``should_epoch_stop`` when an epoch begins, ``should_log``/``should_evaluate``/``should_save``
-    when a step begins and when that log, evaluation or save has happened.
-    """
-
-    should_training_stop: bool = False
-    should_epoch_stop: bool = False
-    should_save: bool = False
-    should_evaluate: bool = False
-    should_log: bool = False
-
-    def _new_training(self) -> None:
-        self.should_training_stop = False
-
-    def _new_epoch(self) -> None:
-        self.should_epoch_stop = False
-
-    def _new_step(self) -> None:
-        self.should_save = self.should_evaluate = self.should_log = False
-
-    def state(self) -> dict[str, Any]:
-        """The flags, for the checkpoint."""
-        return {"args": dataclasses.asdict(self), "attributes": {}}
 
 
 class TrainerCallback:
@@ -268,6 +119,30 @@ class CallbackHandler:
         return control
 
     call_event = call
+
+
+def restore_states(callbacks: list[Any], control: TrainerControl, saved: dict[str, Any]) -> TrainerControl:
+    """Rebuild, in place in ``callbacks``, each callback whose class name ``saved`` (a checkpoint's
+    ``stateful_callbacks``) holds, as ``type(cb)(**args)`` with its ``attributes`` set (several of
+    one class: in order); returns the control, rebuilt likewise. Warns naming the saved ones
+    that are not among ``callbacks``."""
+    not_found = []
+    for name, data in saved.items():
+        same = [cb for cb in [*callbacks, control] if type(cb).__name__ == name]
+        if not same:
+            not_found.append(name)
+        for cb, state in zip(same, data if isinstance(data, list) else [data]):
+            new = type(cb)(**state.get("args", {}))
+            for k, v in state.get("attributes", {}).items():
+                setattr(new, k, v)
+            if cb is control:
+                control = new
+            else:
+                callbacks[next(i for i, c in enumerate(callbacks) if c is cb)] = new
+    if not_found:
+        log.warning(f"Checkpoint included callbacks not included in current configuration. Ignoring. "
+                    f"({', '.join(not_found)})")
+    return control
 
 
 def _handler_method(event: str) -> Any:
@@ -383,101 +258,3 @@ class EarlyStoppingCallback(TrainerCallback, ExportableState):
         return {"args": {"early_stopping_patience": self.early_stopping_patience,
                          "early_stopping_threshold": self.early_stopping_threshold},
                 "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter}}
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-class ProgressCallback(TrainerCallback):
-    """A tqdm bar over optimizer steps, showing loss, learning rate, loss scale and skipped steps.
-
-    Skipped steps are summarised once per log ("3 steps skipped for overflow since the last log,
-    scale 2048"), never one line per step.
-    """
-
-    def __init__(self) -> None:
-        self.bar = None
-        self._skipped_at_last_log = 0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
-            self._skipped_at_last_log = state.skipped_steps
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.update(state.global_step - self.bar.n)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.bar is None or not logs:
-            return
-        shown = {k: logs[k] for k in ("loss", "learning_rate", "loss_scale", "skipped_steps") if k in logs}
-        self.bar.set_postfix({k: _fmt(v) for k, v in shown.items()}, refresh=False)
-        new = state.skipped_steps - self._skipped_at_last_log
-        if new > 0:
-            self.bar.write(f"{new} step{'s' if new > 1 else ''} skipped for overflow since the last log, "
-                           f"scale {state.loss_scale:g}")
-        self._skipped_at_last_log = state.skipped_steps
-        if any(k.startswith("eval_") for k in logs):
-            self.bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in logs.items()))
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-class PrinterCallback(TrainerCallback):
-    """Print every log (the Trainer's progress display when ``disable_tqdm=True``)."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_local_process_zero and logs:
-            print({k: _fmt(v) if isinstance(v, float) else v for k, v in logs.items() if k != "total_flos"})
-
-
-class JsonlLoggerCallback(TrainerCallback):
-    """Append every log (training and evaluation) as one JSON line to ``output_dir/metrics.jsonl``."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return
-        path = Path(args.output_dir) / "metrics.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        row = {"step": state.global_step, "epoch": state.epoch, **logs}
-        with open(path, "a") as fh:
-            fh.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                 for k, v in row.items()}) + "\n")
-
-
-class TensorBoardCallback(TrainerCallback):
-    """Write every numeric log value to TensorBoard via ``torch.utils.tensorboard``."""
-
-    def __init__(self) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:  # tensorboard is an optional dependency
-            raise ImportError("report_to='tensorboard' needs the tensorboard package: pip install tensorboard, "
-                              "or set report_to='jsonl'") from e
-        self._writer_cls = SummaryWriter
-        self.writer = None
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return
-        if self.writer is None:
-            self.writer = self._writer_cls(log_dir=str(Path(args.output_dir) / "runs"))
-        for k, v in logs.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                tag = k.replace("eval_", "eval/", 1) if k.startswith("eval_") else f"train/{k}"
-                self.writer.add_scalar(tag, v, state.global_step)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
-            self.writer = None

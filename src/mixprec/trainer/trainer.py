@@ -27,26 +27,22 @@ from ..diagnostics import precision_drift
 from ..diagnostics.monitor import DiagnosticsConfig
 from ..wrappers import original_forward
 from .args import TrainingArguments
-from .callbacks import (
-    CallbackHandler,
-    DefaultFlowCallback,
-    JsonlLoggerCallback,
-    PrinterCallback,
-    ProgressCallback,
-    TensorBoardCallback,
-    TrainerCallback,
-    TrainerControl,
-    TrainerState,
-    export_states,
-    hf_compatible,
-    log,
-)
+from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback, hf_compatible, restore_states
 from .checkpoints import checkpoint_to_resume, rotate_checkpoints, weights_file, write_trainer_checkpoint
 from .data import collate, model_input_names, prepare_dataset
 from .evaluation import EvalPrediction, PredictionOutput, evaluation_loop, predict_batch
 from .outputs import call_model, extract_loss
-from .reports import format_metrics, print_metrics, write_metrics
-from .schedules import get_scheduler
+from .reporters import (
+    JsonlLoggerCallback,
+    PrinterCallback,
+    ProgressCallback,
+    TensorBoardCallback,
+    format_metrics,
+    print_metrics,
+    write_metrics,
+)
+from .schedules import build_optimizer, get_scheduler
+from .trainer_state import TrainerControl, TrainerState, export_states
 
 __all__ = ["Trainer", "TrainOutput", "EvalPrediction", "PredictionOutput", "set_seed"]
 
@@ -184,25 +180,9 @@ class Trainer:
     def _load_callback_state(self) -> None:
         """With ``restore_callback_states_from_checkpoint``: rebuild the callbacks (and the control)
         whose state ``state.stateful_callbacks`` holds, matched by class name, in order."""
-        if not self.args.restore_callback_states_from_checkpoint:
-            return
-        cbs = self.callback_handler.callbacks
-        not_found = []
-        for name, data in (getattr(self.state, "stateful_callbacks", None) or {}).items():
-            same = [cb for cb in [*cbs, self.control] if type(cb).__name__ == name]
-            if not same:
-                not_found.append(name)
-            for cb, saved in zip(same, data if isinstance(data, list) else [data]):
-                new = type(cb)(**saved.get("args", {}))
-                for k, v in saved.get("attributes", {}).items():
-                    setattr(new, k, v)
-                if cb is self.control:
-                    self.control = new
-                else:
-                    cbs[next(i for i, c in enumerate(cbs) if c is cb)] = new
-        if not_found:
-            log.warning(f"Checkpoint included callbacks not included in current configuration. Ignoring. "
-                        f"({', '.join(not_found)})")
+        if self.args.restore_callback_states_from_checkpoint:
+            self.control = restore_states(self.callback_handler.callbacks, self.control,
+                                          getattr(self.state, "stateful_callbacks", None) or {})
 
     def is_world_process_zero(self) -> bool:
         """Whether this is the main process of the run."""
@@ -253,28 +233,8 @@ class Trainer:
     def create_optimizer(self) -> torch.optim.Optimizer:
         """AdamW (or SGD) as ``args`` say, or ``optimizer_cls_and_kwargs``; no weight decay on
         biases and norm weights (1-d tensors). Sets and returns ``self.optimizer``."""
-        if self.optimizer is not None:
-            return self.optimizer
-        a = self.args
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if a.weight_decay:
-            groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": a.weight_decay},
-                      {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        else:  # one group: one fused kernel launch per step instead of two
-            groups = [{"params": params, "weight_decay": 0.0}]
-        if self.optimizer_cls_and_kwargs is not None:
-            cls, kwargs = self.optimizer_cls_and_kwargs
-            self.optimizer = cls(groups, **{"lr": a.learning_rate, **kwargs})
-            return self.optimizer
-        # The fast path, where it is safe: torch's fused kernels (one launch for all parameters,
-        # and the loss scaler's sync-free path) give the same update as the per-parameter loop,
-        # to rounding; on these CPUs a fused AdamW step is ~1.5x faster than the default one.
-        fused = a.optim == "adamw_torch_fused" or _fused_supported(params)
-        if a.optim == "sgd":
-            self.optimizer = torch.optim.SGD(groups, lr=a.learning_rate, fused=fused or None)
-        else:
-            self.optimizer = torch.optim.AdamW(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
-                                               eps=a.adam_epsilon, fused=fused or None)
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(self.args, self.model, self.optimizer_cls_and_kwargs)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
@@ -670,9 +630,3 @@ class Trainer:
         """Not supported: run your search library's loop around ``Trainer(model_init=...).train()``."""
         raise NotImplementedError("Trainer.hyperparameter_search is not supported by mixprec; call train() from "
                                   "your search library's objective (model_init builds a fresh model each time)")
-
-
-def _fused_supported(params: list[torch.Tensor]) -> bool:
-    """Whether torch's fused optimizer kernels take these parameters (floating, on CPU or CUDA, dense)."""
-    return bool(params) and all(p.is_floating_point() and not p.is_sparse and p.device.type in ("cpu", "cuda")
-                                for p in params)

@@ -1,0 +1,154 @@
+"""What shows and records a run: the progress bar, printer, ``metrics.jsonl`` and TensorBoard callbacks,
+and Hugging Face's ``log_metrics`` / ``save_metrics`` output."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .callbacks import TrainerCallback
+
+__all__ = ["ProgressCallback", "PrinterCallback", "JsonlLoggerCallback", "TensorBoardCallback", "format_metrics",
+           "print_metrics", "write_metrics"]
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+class ProgressCallback(TrainerCallback):
+    """A tqdm bar over optimizer steps, showing loss, learning rate, loss scale and skipped steps.
+
+    Skipped steps are summarised once per log ("3 steps skipped for overflow since the last log,
+    scale 2048"), never one line per step.
+    """
+
+    def __init__(self) -> None:
+        self.bar = None
+        self._skipped_at_last_log = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
+            self._skipped_at_last_log = state.skipped_steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is None or not logs:
+            return
+        shown = {k: logs[k] for k in ("loss", "learning_rate", "loss_scale", "skipped_steps") if k in logs}
+        self.bar.set_postfix({k: _fmt(v) for k, v in shown.items()}, refresh=False)
+        new = state.skipped_steps - self._skipped_at_last_log
+        if new > 0:
+            self.bar.write(f"{new} step{'s' if new > 1 else ''} skipped for overflow since the last log, "
+                           f"scale {state.loss_scale:g}")
+        self._skipped_at_last_log = state.skipped_steps
+        if any(k.startswith("eval_") for k in logs):
+            self.bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in logs.items()))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class PrinterCallback(TrainerCallback):
+    """Print every log (the Trainer's progress display when ``disable_tqdm=True``)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_local_process_zero and logs:
+            print({k: _fmt(v) if isinstance(v, float) else v for k, v in logs.items() if k != "total_flos"})
+
+
+class JsonlLoggerCallback(TrainerCallback):
+    """Append every log (training and evaluation) as one JSON line to ``output_dir/metrics.jsonl``."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        path = Path(args.output_dir) / "metrics.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        row = {"step": state.global_step, "epoch": state.epoch, **logs}
+        with open(path, "a") as fh:
+            fh.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                 for k, v in row.items()}) + "\n")
+
+
+class TensorBoardCallback(TrainerCallback):
+    """Write every numeric log value to TensorBoard via ``torch.utils.tensorboard``."""
+
+    def __init__(self) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # tensorboard is an optional dependency
+            raise ImportError("report_to='tensorboard' needs the tensorboard package: pip install tensorboard, "
+                              "or set report_to='jsonl'") from e
+        self._writer_cls = SummaryWriter
+        self.writer = None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        if self.writer is None:
+            self.writer = self._writer_cls(log_dir=str(Path(args.output_dir) / "runs"))
+        for k, v in logs.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                tag = k.replace("eval_", "eval/", 1) if k.startswith("eval_") else f"train/{k}"
+                self.writer.add_scalar(tag, v, state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+            self.writer = None
+
+
+def format_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics made readable: runtimes as ``h:mm:ss.ss``, memory in MB, other floats to 4 digits."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if k.endswith("_runtime") and isinstance(v, (int, float)):
+            h, rest = divmod(float(v), 3600)
+            m, s = divmod(rest, 60)
+            out[k] = f"{int(h)}:{int(m):02d}:{s:05.2f}"
+        elif k.endswith("_mem_") and isinstance(v, (int, float)):
+            out[k] = f"{int(v) >> 20}MB"
+        elif isinstance(v, float):
+            out[k] = round(v, 4)
+        else:
+            out[k] = v
+    return out
+
+
+def print_metrics(split: str, metrics: dict[str, Any]) -> None:
+    """Print ``***** {split} metrics *****`` and one aligned ``key = value`` line per metric."""
+    shown = format_metrics(metrics)
+    width = max((len(k) for k in shown), default=0)
+    print(f"***** {split} metrics *****")
+    for k in sorted(shown):
+        print(f"  {k:<{width}} = {shown[k]:>9}")
+
+
+def write_metrics(output_dir: str | Path, split: str, metrics: dict[str, Any], combined: bool = True) -> Path:
+    """Write ``{split}_results.json`` (``all_results.json`` for ``split="all"``) and, with
+    ``combined``, merge the metrics into ``all_results.json``; returns the split's file."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    path = out / ("all_results.json" if split == "all" else f"{split}_results.json")
+    path.write_text(json.dumps(clean, indent=4, sort_keys=True) + "\n")
+    if combined and split != "all":
+        everything = out / "all_results.json"
+        merged = json.loads(everything.read_text()) if everything.is_file() else {}
+        merged.update(clean)
+        everything.write_text(json.dumps(merged, indent=4, sort_keys=True) + "\n")
+    return path
