@@ -72,6 +72,8 @@ def test_arguments_subclass_with_a_plain_dataclass_take_output_dir_first_and_can
         a.validate()
     with pytest.raises(TypeError):
         TrainingArguments("out", 8)  # only output_dir is positional
+    b = TrainingArguments("out", eval_strategy="epoch")
+    assert b.do_eval is True and b.disable_tqdm is False and TrainingArguments().output_dir == "trainer_output"
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -195,6 +197,9 @@ def test_batch_eval_metrics_calls_compute_metrics_per_batch_and_the_last_call_is
     out = trainer.evaluate()
     assert seen == [(torch.Tensor, False), (torch.Tensor, True)] and out["eval_batches"] == 2
     assert trainer.predict(line_data(16, seed=1)).predictions.shape == (16,)
+    trainer.eval_dataset = {"small": line_data(8, seed=2)}
+    seen.clear()
+    assert trainer.evaluate("small")["eval_small_batches"] == 1  # a dict's dataset, by name
 
 
 # -- checkpoints -------------------------------------------------------------------------------

@@ -182,7 +182,7 @@ class TrainingArguments:
     greater_is_better: bool | None = None
     restore_callback_states_from_checkpoint: bool = False
     report_to: str | list[str] | None = "jsonl"
-    disable_tqdm: bool | None = False
+    disable_tqdm: bool | None = None
     resume_from_checkpoint: str | None = None
     torch_compile: bool = False
     use_cpu: bool = False
@@ -267,8 +267,10 @@ class TrainingArguments:
         for name in ("eval_strategy", "save_strategy", "logging_strategy", "optim", "lr_scheduler_type",
                      "hub_strategy", "train_sampling_strategy"):
             setattr(self, name, _plain(getattr(self, name)))
-        if self.disable_tqdm is None:
+        if self.disable_tqdm is None:  # Hugging Face's default: show progress (mixprec has no log-level switch)
             self.disable_tqdm = False
+        if self.eval_strategy != "no":  # as in Hugging Face: evaluating means do_eval
+            self.do_eval = True
         if self.report_to is None:
             self.report_to = "none"
         for name, why in _UNSUPPORTED.items():

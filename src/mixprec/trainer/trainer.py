@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import pickle
 import random
 import time
 from collections.abc import Generator
@@ -27,7 +28,14 @@ from ..diagnostics import precision_drift
 from ..diagnostics.monitor import DiagnosticsConfig
 from ..wrappers import original_forward
 from .args import TrainingArguments
-from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback, hf_compatible, restore_states
+from .callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    TrainerCallback,
+    hf_compatible,
+    log,
+    restore_states,
+)
 from .checkpoints import checkpoint_to_resume, rotate_checkpoints, weights_file, write_trainer_checkpoint
 from .data import collate, model_input_names, prepare_dataset
 from .evaluation import EvalPrediction, PredictionOutput, evaluation_loop, predict_batch
@@ -505,7 +513,9 @@ class Trainer:
         self.state.stateful_callbacks = export_states([*self.callback_handler.callbacks, self.control])
         files = {"trainer_state.json": self.state.to_json_string(),
                  "mixprec_trainer_state.json": self.state.mixprec_json_string(),
-                 "training_args.json": self.args.to_json_string(), "training_args.bin": self._args_bin()}
+                 "training_args.json": self.args.to_json_string()}
+        if args_bin := self._args_bin():
+            files["training_args.bin"] = args_bin
         write_trainer_checkpoint(self.accelerator, path, self.accelerator.unwrap_model(self.model), files)
         if self.accelerator.is_main_process:
             rotate_checkpoints(out, self.args.save_total_limit, self.state.best_model_checkpoint)
@@ -516,7 +526,12 @@ class Trainer:
         """``training_args.bin``: the arguments pickled with ``torch.save``, as Hugging Face writes them
         (for tools that read them back; mixprec itself never unpickles it)."""
         buf = io.BytesIO()
-        torch.save(self.args, buf)
+        try:
+            torch.save(self.args, buf)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:  # e.g. a subclass defined in a function
+            log.warning(f"training_args.bin not written: the arguments cannot be pickled ({e}); "
+                        "training_args.json holds them")
+            return b""
         return buf.getvalue()
 
     def _finish(self, start_time: float) -> TrainOutput:
@@ -541,7 +556,13 @@ class Trainer:
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss and ``compute_metrics`` on the eval set(s); logged and passed to ``on_evaluate``."""
+        """Loss and ``compute_metrics`` on the eval set(s); logged and passed to ``on_evaluate``.
+        ``eval_dataset`` may name one of a dict of eval datasets (its metrics get the name too)."""
+        if isinstance(eval_dataset, str):
+            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
+                raise ValueError(f"evaluate(eval_dataset={eval_dataset!r}): a name needs the Trainer's eval_dataset "
+                                 "to be a dict holding it")
+            return self.evaluate(self.eval_dataset[eval_dataset], ignore_keys, f"{metric_key_prefix}_{eval_dataset}")
         ds = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(ds, dict):
             metrics: dict[str, float] = {}
@@ -596,7 +617,8 @@ class Trainer:
             self.accelerator.save_model(model, out)
         if self.accelerator.is_main_process:
             self.args.to_json_file(out / "training_args.json")
-            (out / "training_args.bin").write_bytes(self._args_bin())
+            if args_bin := self._args_bin():
+                (out / "training_args.bin").write_bytes(args_bin)
             if hasattr(self.processing_class, "save_pretrained"):  # the tokenizer beside the model, as in HF
                 self.processing_class.save_pretrained(str(out))
         return out
