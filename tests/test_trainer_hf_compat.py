@@ -185,6 +185,14 @@ def test_model_init_builds_a_fresh_model_for_every_train_and_refuses_optimizers(
         Trainer(args=TrainingArguments(str(tmp_path)), model_init=Line, optimizers=(opt, None))
 
 
+def test_a_second_train_continues_the_model_with_a_fresh_schedule_of_its_own(tmp_path):
+    trainer = make(tmp_path, max_steps=4)
+    trainer.train()
+    first = trainer.model.a.item()
+    trainer.train()  # the first schedule ended at lr 0: a kept one would leave the model as it was
+    assert trainer.model.a.item() != first and trainer.state.global_step == 4
+
+
 def test_batch_eval_metrics_calls_compute_metrics_per_batch_and_the_last_call_is_the_result(tmp_path):
     seen = []
 

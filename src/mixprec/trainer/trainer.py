@@ -250,6 +250,7 @@ class Trainer:
         if self.lr_scheduler is None:
             self.lr_scheduler = get_scheduler(self.args.lr_scheduler_type, optimizer or self.optimizer,
                                               self.args.warmup_for(num_training_steps), num_training_steps)
+            self._created_lr_scheduler = True  # made here: the next train() makes a fresh one (as in HF)
         return self.lr_scheduler
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
@@ -299,6 +300,8 @@ class Trainer:
         else:
             max_steps = math.ceil(args.num_train_epochs * per_epoch)
         num_epochs = math.ceil(max_steps / per_epoch) if per_epoch else 2**62
+        if getattr(self, "_created_lr_scheduler", False):  # a second train() schedules its own steps
+            self.lr_scheduler, self._created_lr_scheduler = None, False
         self.create_optimizer_and_scheduler(max_steps)
         self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
         model = self.model_wrapped  # compiled by the Accelerator when torch_compile=True
