@@ -126,10 +126,10 @@ def test_state_and_gradient_state_are_the_accelerators_own():
     a.gradient_accumulation_steps = 4
     assert a.gradient_state.num_steps == 4
     with pytest.raises(AttributeError, match="'AcceleratorState' object has no attribute 'nope'"):
-        a.state.nope
+        a.state.nope  # noqa: B018
     a.state._reset_state()
     with pytest.raises(AttributeError, match="_reset_state"):
-        a.num_processes
+        a.num_processes  # noqa: B018
     assert b.num_processes == 1
 
 

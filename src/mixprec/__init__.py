@@ -9,6 +9,7 @@ from .accelerator import Accelerator
 from .accelerator_state import DistributedType
 from .checkpoint import CheckpointError, CheckpointNotFoundError
 from .configs import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
+from .fsdp import FullyShardedDataParallelPlugin
 from .hardware import DeviceCapability, detect_capability
 from .precision import PrecisionPerformanceWarning, PrecisionPolicy, precision_names, resolve_precision
 from .scaler import LossScaleCollapse, LossScaler
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "DataLoaderConfiguration",
     "DistributedType",
+    "FullyShardedDataParallelPlugin",
     "GradientAccumulationPlugin",
     "ProjectConfiguration",
     "DeviceCapability",

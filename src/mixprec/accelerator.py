@@ -24,6 +24,7 @@ from .configs import DataLoaderConfiguration, GradientAccumulationPlugin, Projec
 from .data import PreparedDataLoader
 from .diagnostics.monitor import DiagnosticsConfig, Monitor
 from .fallback import fallback_target, log_fallback
+from .fsdp import FullyShardedDataParallelPlugin, full_state_dict, is_sharded, shard_model
 from .hardware import default_device
 from .precision import BF16TrueConfig, PrecisionPlugin, PrecisionPolicy, make_plugin, resolve_precision
 from .process_api import ProcessAPI
@@ -99,6 +100,10 @@ class Accelerator(ProcessAPI):
             :class:`~mixprec.ProjectConfiguration` (or Accelerate's).
         gradient_accumulation_plugin: a :class:`~mixprec.GradientAccumulationPlugin` instead of
             ``gradient_accumulation_steps`` (not both).
+        fsdp_plugin: a :class:`~mixprec.FullyShardedDataParallelPlugin` (or Accelerate's, or a
+            dict): with several processes, prepared models are sharded with FSDP2 under the
+            precision's ``MixedPrecisionPolicy``, and checkpoints are written by every rank with
+            ``torch.distributed.checkpoint`` (they load on any number of ranks).
         step_scheduler_with_optimizer: a prepared scheduler steps with its optimizer, as many
             times per call as there are processes (a schedule written for one process's count
             of batches then ends on time), unless ``split_batches``. ``False``: it steps once
@@ -122,7 +127,8 @@ class Accelerator(ProcessAPI):
                  dataloader_config: DataLoaderConfiguration | None = None, project_dir: str | os.PathLike | None = None,
                  project_config: ProjectConfiguration | None = None,
                  gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
-                 step_scheduler_with_optimizer: bool = True) -> None:
+                 step_scheduler_with_optimizer: bool = True,
+                 fsdp_plugin: FullyShardedDataParallelPlugin | dict | None = None) -> None:
         plugin = gradient_accumulation_plugin
         if plugin is not None:
             plugin = coerce_config(plugin, GradientAccumulationPlugin, "gradient_accumulation_plugin")
@@ -151,6 +157,11 @@ class Accelerator(ProcessAPI):
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(project_dir)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.fsdp_plugin = None if fsdp_plugin is None else FullyShardedDataParallelPlugin.from_config(fsdp_plugin)
+        if self.fsdp_plugin is not None and ddp_comm_hook is not None:
+            raise ValueError("ddp_comm_hook compresses DDP's all-reduce; with fsdp_plugin set "
+                             "FullyShardedDataParallelPlugin(reduce_dtype=...) instead")
+        self._sharded_params: dict[int, torch.nn.Parameter] = {}  # id(original) -> its sharded parameter
         device = torch.device("cpu") if cpu else default_device()
         self._process = D.init_from_env(device.type)
         if device.type == "cuda":
@@ -336,7 +347,13 @@ class Accelerator(ProcessAPI):
             if self.monitor is None:
                 self.monitor = Monitor(self.diagnostics, scaler=self.scaler)
             self.monitor.watch(model)
-        if self.use_distributed:
+        if self.use_distributed and self.fsdp_plugin is not None:
+            before = dict(model.named_parameters())
+            shard_model(model, self.fsdp_plugin, self.precision.sharding_policy(self.fsdp_plugin.reduce_dtype))
+            after = dict(model.named_parameters())
+            # fully_shard replaces the parameters: optimizers built on the old ones are pointed at them.
+            self._sharded_params.update({id(p): after[n] for n, p in before.items() if n in after})
+        elif self.use_distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)
             if self.ddp_comm_hook is not None:
@@ -352,6 +369,9 @@ class Accelerator(ProcessAPI):
         first swaps a fresh AdamW/SGD for its compensated twin)."""
         if isinstance(optimizer, AcceleratedOptimizer):
             optimizer = optimizer.optimizer
+        if self._sharded_params:
+            for group in optimizer.param_groups:
+                group["params"] = [self._sharded_params.get(id(p), p) for p in group["params"]]
         converted = self.precision.convert_optimizer(optimizer)
         self.precision.track_optimizer(converted)
         wrapped = AcceleratedOptimizer(converted, self._optimizer_hooks, original=optimizer)
@@ -463,6 +483,12 @@ class Accelerator(ProcessAPI):
         if isinstance(model, DistributedDataParallel):
             with model.no_sync():
                 yield
+        elif is_sharded(model):
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
         else:
             yield
 
@@ -483,7 +509,8 @@ class Accelerator(ProcessAPI):
     def _clip(self, parameters: Iterable[torch.Tensor] | torch.Tensor, **how: Any) -> torch.Tensor | None:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         with self._collapse_guard():
-            return self.precision.clip_gradients(params, self._optimizers_for(params), **how)
+            norm = self.precision.clip_gradients(params, self._optimizers_for(params), **how)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded: the global norm
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor | None:
@@ -594,8 +621,14 @@ class Accelerator(ProcessAPI):
         return model
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The model's ``state_dict`` (of the user's module, without wrapper prefixes, when ``unwrap``)."""
-        return (self.unwrap_model(model, keep_torch_compile=False) if unwrap else model).state_dict()
+        """The model's ``state_dict`` (of the user's module, without wrapper prefixes, when ``unwrap``).
+
+        A sharded model's is gathered whole onto the CPU of every rank (call it on every rank).
+        """
+        inner = self.unwrap_model(model, keep_torch_compile=False)
+        if is_sharded(inner):
+            return full_state_dict(inner)
+        return (inner if unwrap else model).state_dict()
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
                    safe_serialization: bool = True) -> Path:
@@ -607,9 +640,11 @@ class Accelerator(ProcessAPI):
         the layout ``transformers``' and Accelerate's loaders read.
         """
         path = Path(save_directory)
+        inner = unwrap(model)
+        full = full_state_dict(inner) if is_sharded(inner) else None  # every rank takes part in the gather
         if self.is_main_process:
-            save_model_weights(unwrap(model), path, max_shard_size=max_shard_size,
-                               safe_serialization=safe_serialization)
+            save_model_weights(inner, path, max_shard_size=max_shard_size, safe_serialization=safe_serialization,
+                               state=full)
         self.wait_for_everyone()
         return path
 
@@ -646,7 +681,7 @@ class Accelerator(ProcessAPI):
         meta = {"step": self.step, "precision": self.policy.name, "optimizer_steps": self.optimizer_steps,
                 "precision_fallback": bool(self.precision_fallbacks)}
         out = save_accelerator_state(final, self.prepared, self._process, self.precision.state_dict(), meta,
-                                     extra_files or {}, hooks=self._state_hooks)
+                                     extra_files or {}, hooks=self._state_hooks, sharded=self.fsdp_plugin is not None)
         if output_dir is None and self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration += 1
             if self.is_main_process:

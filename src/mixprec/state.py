@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from . import checkpoint as ckpt
 from . import distributed as D
 from .configs import ProjectConfiguration
+from .fsdp import load_sharded, save_sharded
 from .wrappers import unwrap
 
 __all__ = ["PreparedObjects", "StateHooks", "load_accelerator_state", "resolve_load_dir", "resolve_save_dir",
@@ -124,11 +125,12 @@ def _parse_size(size: int | str) -> int:
 
 
 def save_model_weights(model: torch.nn.Module, directory: Path, *, max_shard_size: int | str = "10GB",
-                       safe_serialization: bool = True) -> None:
-    """See :meth:`Accelerator.save_model`: one weights file, or shards with an index, each written atomically."""
+                       safe_serialization: bool = True, state: dict[str, torch.Tensor] | None = None) -> None:
+    """See :meth:`Accelerator.save_model`: one weights file, or shards with an index, each written
+    atomically. ``state`` overrides ``model.state_dict()`` (a sharded model's, gathered)."""
     directory.mkdir(parents=True, exist_ok=True)
     limit = _parse_size(max_shard_size)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in (state if state is not None else model.state_dict()).items()}
     seen: dict[tuple[int, int], str] = {}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -170,19 +172,24 @@ def save_model_weights(model: torch.nn.Module, directory: Path, *, max_shard_siz
 
 def save_accelerator_state(output_dir: Path, prepared: PreparedObjects, process: D.ProcessInfo,
                            precision_state: dict[str, Any], meta: dict[str, Any],
-                           extra_files: dict[str, str | bytes], hooks: StateHooks | None = None) -> Path:
+                           extra_files: dict[str, str | bytes], hooks: StateHooks | None = None,
+                           sharded: bool = False) -> Path:
     """See :meth:`Accelerator.save_state`. ``meta`` (the run's counters and precision name) is
-    written as ``accelerator.bin``; the main process writes all but the RNG files. The staging
-    folder is removed if anything fails, so no half-written checkpoint is left."""
+    written as ``accelerator.bin``; the main process writes all but the RNG files (and, with
+    ``sharded``, the models' and optimizers' shards, which every rank writes with DCP into
+    ``model_<i>/``). The staging folder is removed if anything fails, so no half-written
+    checkpoint is left."""
     final = output_dir
     main = process.rank == 0
     # The main process makes the staging folder; every process writes its own RNG state into it.
     tmp = Path(D.broadcast_object(str(ckpt.staging_dir(final)) if main else None))
     try:
         torch.save(ckpt.rng_state(), tmp / f"random_states_{process.rank}.bin")
+        if sharded:
+            save_sharded(tmp, [unwrap(m) for m in prepared.models], [o.optimizer for o in prepared.optimizers])
         D.barrier()
         if main:
-            models = list(prepared.models)
+            models = [] if sharded else list(prepared.models)
             if hooks is not None and hooks.save:
                 weights = [unwrap(m).state_dict() for m in models]
                 given = list(weights)
@@ -192,6 +199,8 @@ def save_accelerator_state(output_dir: Path, prepared: PreparedObjects, process:
             for i, m in enumerate(models):
                 safetensors.torch.save_model(unwrap(m), str(tmp / f"model_{i}.safetensors"))
             for name, objs in prepared.stateful().items():
+                if sharded and name == "optimizer":
+                    continue  # in the DCP shards, beside their model's
                 for i, obj in enumerate(objs):
                     torch.save(obj.state_dict(), tmp / f"{name}_{i}.bin")
             if precision_state:
@@ -220,9 +229,15 @@ def load_accelerator_state(input_dir: Path, prepared: PreparedObjects, process: 
     if hooks is not None:
         for hook in hooks.load.values():
             hook(models, str(path))
+    sharded = (path / "model_0").is_dir()  # written by DCP: any number of ranks reads it
+    if sharded:
+        load_sharded(path, [unwrap(m) for m in models], [o.optimizer for o in prepared.optimizers])
+        models = []
     for i, m in enumerate(models):
         safetensors.torch.load_model(unwrap(m), str(path / f"model_{i}.safetensors"), strict=True, device=str(device))
     for name, objs in prepared.stateful().items():
+        if sharded and name == "optimizer":
+            continue
         for i, obj in enumerate(objs):
             f = path / f"{name}_{i}.bin"
             if not f.exists():
@@ -230,7 +245,10 @@ def load_accelerator_state(input_dir: Path, prepared: PreparedObjects, process: 
             obj.load_state_dict(load(f, map_location=device if name == "optimizer" else "cpu"))
     rng = path / f"random_states_{process.rank}.bin"
     if not rng.exists():
-        raise ckpt.CheckpointError(f"{rng} is missing: the checkpoint was written by fewer processes")
+        # Written by fewer processes (a resharded resume): every new rank continues from rank 0's RNG.
+        log.warning("mixprec: %s was written by fewer processes than this run's %d; process %d continues from "
+                    "process 0's random state", path, process.world_size, process.rank)
+        rng = path / "random_states_0.bin"
     ckpt.set_rng_state(load(rng))
     precision_state = load(path / "scaler.bin") if (path / "scaler.bin").exists() else {}
     return load(path / "accelerator.bin"), precision_state

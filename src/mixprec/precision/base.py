@@ -183,6 +183,17 @@ class PrecisionPlugin:
     def release(self) -> None:
         """Undo what this plugin attached to the run (when the run switches to another precision)."""
 
+    def sharding_policy(self, reduce_dtype: torch.dtype | None = torch.float32) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` for this precision: parameters gathered in the compute
+        dtype where it differs from the stored one (the sharded master weights stay as they are),
+        gradients reduced in ``reduce_dtype`` wherever compute is 16-bit."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        p = self.policy
+        cast = p.compute_dtype if p.compute_dtype != p.param_dtype else None
+        return MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=reduce_dtype if p.compute_dtype != torch.float32
+                                    else None)
+
     def forget_optimizers(self) -> None:
         """Stop tracking every optimizer (``Accelerator.free_memory``: the next run prepares new ones)."""
         self.release()

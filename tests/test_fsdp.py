@@ -1,0 +1,144 @@
+"""FSDP2 through Accelerator(fsdp_plugin=...): two gloo processes started by torchrun (bounded in time)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from mixprec import Accelerator, FullyShardedDataParallelPlugin
+
+from toys import Regression
+
+SCRIPT = Path(__file__).parent / "scripts" / "fsdp_check.py"
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
+
+
+def _script_module():
+    spec = importlib.util.spec_from_file_location("fsdp_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(out: Path, *args: str, ranks: int = 2) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    if ranks == 1:
+        cmd = [sys.executable, str(SCRIPT), str(out), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(str(out / "final.safetensors"))
+
+
+def one_process(precision: str, steps: int = 8) -> dict[str, torch.Tensor]:
+    """The same model, data order and global batches, trained in one process without sharding."""
+    Net = _script_module().Net
+    acc = Accelerator(mixed_precision=precision, cpu=True)
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt, dl = acc.prepare(model, opt, torch.utils.data.DataLoader(Regression(n=64), batch_size=8))
+    for i, (x, y) in enumerate(dl):
+        acc.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+        acc.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
+        opt.zero_grad()
+        if i + 1 == steps:
+            break
+    return {k: v.detach().float() for k, v in acc.unwrap_model(model).state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    r = {"fp32": launch(root / "fp32", "--precision", "fp32", "--save-at", "4"),
+         "bf16": launch(root / "bf16", "--precision", "bf16")}
+    return root, r
+
+
+def test_each_rank_holds_half_of_the_parameters_and_optimizer_state(runs):
+    _, r = runs
+    for res in r.values():
+        assert res["num_processes"] == 2 and res["sharded"] and res["ranks_identical"]
+        assert 0.45 < res["param_fraction"] < 0.55 and 0.45 < res["state_fraction"] < 0.55
+
+
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-5), ("bf16", 2e-2)])
+def test_sharded_training_equals_one_process_over_the_same_global_batches(runs, precision, tol):
+    """fp32 to fp32 tolerance; bf16-mixed to bf16's (each rank's half-batch gradient is rounded
+    to bf16 before the fp32 reduction, one process rounds the whole batch's once)."""
+    root, _ = runs
+    ref, got = one_process(precision), weights(root / precision)
+    assert set(ref) == set(got)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=tol, atol=tol)
+
+
+def test_an_inf_on_one_rank_skips_the_step_on_both(tmp_path):
+    res = launch(tmp_path, "--precision", "fp16", "--inf-rank", "1", "--inf-step", "2")
+    assert res["skipped"][2] is True and sum(res["skipped"]) == 1  # rank 0 saw no inf itself
+    assert res["scales"][2] == res["scales"][1] / 2 and res["ranks_identical"]
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_two_bit_for_bit_and_on_one_to_fp32_tolerance(runs, tmp_path):
+    root, _ = runs
+    full = weights(root / "fp32")
+    launch(tmp_path / "two", "--precision", "fp32", "--resume", str(root / "fp32" / "ckpt"))
+    launch(tmp_path / "one", "--precision", "fp32", "--resume", str(root / "fp32" / "ckpt"), ranks=1)
+    two, one = weights(tmp_path / "two"), weights(tmp_path / "one")
+    for k in full:
+        assert torch.equal(two[k], full[k]), k
+        torch.testing.assert_close(one[k], full[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_of_one_process_resumes_sharded_on_two(runs, tmp_path):
+    launch(tmp_path / "one", "--precision", "fp32", "--save-at", "4", ranks=1)
+    launch(tmp_path / "two", "--precision", "fp32", "--resume", str(tmp_path / "one" / "ckpt"))
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_true_trains_sharded_with_the_plain_optimizer(tmp_path):
+    res = launch(tmp_path, "--precision", "bf16-true", "--compensation", "none")
+    assert res["losses"][-1] < res["losses"][0] / 3 and res["ranks_identical"]
+
+
+def test_plugin_fields_without_an_fsdp2_meaning_say_what_to_do():
+    with pytest.raises(ValueError, match="fsdp_version=2"):
+        FullyShardedDataParallelPlugin(fsdp_version=1)
+    with pytest.raises(ValueError, match="sharding_strategy.*reshard_after_forward"):
+        FullyShardedDataParallelPlugin.from_config({"fsdp_sharding_strategy": "FULL_SHARD"})
+    p = FullyShardedDataParallelPlugin.from_config({"transformer_layer_cls_to_wrap": ["Block"],
+                                                    "fsdp_reshard_after_forward": False})
+    assert p.transformer_cls_names_to_wrap == ["Block"] and p.reshard_after_forward is False
+
+
+def test_blocks_default_to_each_layer_of_a_modulelist_and_names_must_match():
+    from mixprec.fsdp import blocks_to_shard
+
+    net = _script_module().Net()
+    assert blocks_to_shard(net, FullyShardedDataParallelPlugin()) == list(net.layers)
+    with pytest.raises(ValueError, match="matches no module.*Block"):
+        blocks_to_shard(net, FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Nope"]))
