@@ -142,3 +142,17 @@ def test_blocks_default_to_each_layer_of_a_modulelist_and_names_must_match():
     assert blocks_to_shard(net, FullyShardedDataParallelPlugin()) == list(net.layers)
     with pytest.raises(ValueError, match="matches no module.*Block"):
         blocks_to_shard(net, FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Nope"]))
+
+
+def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
+    import pickle
+
+    from mixprec.fsdp import _SafeMetadataUnpickler
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "ran"),))
+
+    with pytest.raises(pickle.UnpicklingError, match="could run code"):
+        _SafeMetadataUnpickler(__import__("io").BytesIO(pickle.dumps(Evil()))).load()
+    assert not (tmp_path / "ran").exists()
