@@ -97,9 +97,9 @@ def write_trainer_checkpoint(accelerator: Any, final: Path, model: Any, extra_fi
         stage.mkdir(parents=True)
     accelerator.wait_for_everyone()
     try:
-        inner = accelerator.save_state(stage / "state", extra_files=extra_files)
+        inner = stage / "state"
+        accelerator.save_state(inner, extra_files=extra_files)  # synchronous: complete on return
         if main:
-            inner = Path(inner)
             meta = json.loads((inner / MANIFEST).read_text()).get("meta")
             (inner / MANIFEST).unlink()
             for p in inner.iterdir():
