@@ -72,7 +72,8 @@ def one_process(precision: str, steps: int = 8) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
-    r = {"fp32": launch(root / "fp32", "--precision", "fp32", "--save-at", "4"),
+    # The fp32 run's checkpoint is saved asynchronously: the resume tests below read it.
+    r = {"fp32": launch(root / "fp32", "--precision", "fp32", "--save-at", "4", "--async-save"),
          "bf16": launch(root / "bf16", "--precision", "bf16")}
     return root, r
 
@@ -102,6 +103,7 @@ def test_an_inf_on_one_rank_skips_the_step_on_both(tmp_path):
 
 
 def test_a_checkpoint_of_two_ranks_resumes_on_two_bit_for_bit_and_on_one_to_fp32_tolerance(runs, tmp_path):
+    """The checkpoint was written with async_save while training went on."""
     root, _ = runs
     full = weights(root / "fp32")
     launch(tmp_path / "two", "--precision", "fp32", "--resume", str(root / "fp32" / "ckpt"))
@@ -156,3 +158,30 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="could run code"):
         _SafeMetadataUnpickler(__import__("io").BytesIO(pickle.dumps(Evil()))).load()
     assert not (tmp_path / "ran").exists()
+
+
+def test_async_save_appears_complete_and_a_failure_in_the_background_leaves_nothing(tmp_path, monkeypatch):
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    acc.save_state(tmp_path / "a", async_save=True)
+    assert acc.wait_for_checkpoint() == tmp_path / "a"
+    from mixprec.checkpoint import verify_checkpoint
+
+    assert any(name.startswith("model_0/") for name in verify_checkpoint(tmp_path / "a"))
+    w = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    acc.load_state(tmp_path / "a")
+    assert torch.equal(model.weight, w)
+    import mixprec.checkpoint as ckpt
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ckpt, "commit_checkpoint", full_disk)
+    acc.save_state(tmp_path / "b", async_save=True)
+    with pytest.raises(OSError, match="No space"):
+        acc.wait_for_checkpoint()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no staging debris, no half checkpoint

@@ -162,6 +162,8 @@ class Accelerator(ProcessAPI):
             raise ValueError("ddp_comm_hook compresses DDP's all-reduce; with fsdp_plugin set "
                              "FullyShardedDataParallelPlugin(reduce_dtype=...) instead")
         self._sharded_params: dict[int, torch.nn.Parameter] = {}  # id(original) -> its sharded parameter
+        self._pending_save: Any = None  # a checkpoint being written in the background
+        self._async_group: Any = None
         device = torch.device("cpu") if cpu else default_device()
         self._process = D.init_from_env(device.type)
         if device.type == "cuda":
@@ -664,7 +666,7 @@ class Accelerator(ProcessAPI):
         return self._state_hooks.add_load(hook)
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
-                   extra_files: dict[str, str | bytes] | None = None) -> Path:
+                   extra_files: dict[str, str | bytes] | None = None, async_save: bool = False) -> Path:
         """Write everything needed to continue bit for bit into ``output_dir``, atomically.
 
         Model weights as safetensors (whatever ``safe_serialization`` says: the checkpoint is read
@@ -675,19 +677,38 @@ class Accelerator(ProcessAPI):
         ``total_limit``, deletes the oldest once the new one is complete. ``extra_files`` (name ->
         text or bytes) join the same atomic write (the Trainer puts ``trainer_state.json`` there).
         An iteration left open (an optimizer stepped, another not yet) is closed first.
+
+        With ``async_save=True`` the models and optimizers are written by
+        ``torch.distributed.checkpoint``'s asynchronous save: the call returns once they are copied
+        to CPU memory, the files are written in the background, and the folder still appears only
+        when complete (:meth:`wait_for_checkpoint` waits for it; the next save, ``load_state`` and
+        ``end_training`` do so themselves).
         """
+        self.wait_for_checkpoint()  # one checkpoint in flight at a time
         final = resolve_save_dir(output_dir, self.project_configuration)
         self.precision.finish_iteration()
         meta = {"step": self.step, "precision": self.policy.name, "optimizer_steps": self.optimizer_steps,
                 "precision_fallback": bool(self.precision_fallbacks)}
-        out = save_accelerator_state(final, self.prepared, self._process, self.precision.state_dict(), meta,
-                                     extra_files or {}, hooks=self._state_hooks, sharded=self.fsdp_plugin is not None)
-        if output_dir is None and self.project_configuration.automatic_checkpoint_naming:
-            self.project_configuration.iteration += 1
-            if self.is_main_process:
-                self._state_hooks.rotate(self.project_configuration)
-            self.wait_for_everyone()
-        return out
+        automatic = output_dir is None and self.project_configuration.automatic_checkpoint_naming
+        project = self.project_configuration
+        group = None
+        if async_save and self.use_distributed:
+            if self._async_group is None:  # background writes coordinate on their own gloo group
+                self._async_group = torch.distributed.new_group(backend="gloo")
+            group = self._async_group
+        self._pending_save = save_accelerator_state(
+            final, self.prepared, self._process, self.precision.state_dict(), meta, extra_files or {},
+            hooks=self._state_hooks, sharded=self.fsdp_plugin is not None or async_save, asynchronous=async_save,
+            process_group=group, after_commit=(lambda: self._state_hooks.rotate(project)) if automatic else None)
+        if automatic:
+            project.iteration += 1
+        return final
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Block until the checkpoint being written in the background (``async_save``) is in place;
+        returns its folder (``None`` if none was pending). Raises what made it fail."""
+        pending, self._pending_save = self._pending_save, None
+        return pending.wait() if pending is not None else None
 
     def load_state(self, input_dir: str | os.PathLike | None = None, **load_kwargs: Any) -> None:
         """Restore what :meth:`save_state` wrote, after verifying every file against the manifest.
@@ -702,6 +723,7 @@ class Accelerator(ProcessAPI):
             CheckpointError: naming the file that is missing, truncated, altered, or that holds
                 anything but tensors (nothing in it is run).
         """
+        self.wait_for_checkpoint()
         path = resolve_load_dir(input_dir, self.project_configuration)
         meta, precision_state = load_accelerator_state(path, self.prepared, self._process, self.device,
                                                        hooks=self._state_hooks)
@@ -730,7 +752,8 @@ class Accelerator(ProcessAPI):
         return self.free_memory(*objects)
 
     def end_training(self) -> None:
-        """Release the process group, if several processes ran."""
+        """Finish a checkpoint still being written, then release the process group, if several processes ran."""
+        self.wait_for_checkpoint()
         if self.use_distributed and torch.distributed.is_initialized():
             self.wait_for_everyone()
             torch.distributed.destroy_process_group()

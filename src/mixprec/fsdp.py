@@ -199,16 +199,29 @@ def _safe_reader(path: Path) -> Any:
     return SafeReader(str(path))
 
 
-def save_sharded(directory: Path, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+def save_sharded(directory: Path, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], *,
+                 asynchronous: bool = False, process_group: Any = None) -> list[Any]:
     """Every rank writes its shards of each model (and of the optimizers holding its parameters)
-    into ``directory/model_<i>/`` with DCP (collective: call on every rank)."""
+    into ``directory/model_<i>/`` with DCP (collective: call on every rank).
+
+    With ``asynchronous`` the call returns once the shards are copied to CPU memory, with one
+    future per model that completes when its files (and, on the coordinator, DCP's metadata,
+    written after every rank's files) are on disk.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    futures = []
     for i, model in enumerate(models):
         mine = _optimizers_of(model, optimizers)
         msd, osd = get_state_dict(model, mine)
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(directory / f"model_{i}"))
+        where = str(directory / f"model_{i}")
+        if asynchronous:
+            futures.append(dcp.async_save({"model": msd, "optimizer": osd}, checkpoint_id=where,
+                                          process_group=process_group))
+        else:
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=where)
+    return futures
 
 
 def load_sharded(directory: Path, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from .configs import ProjectConfiguration
 from .fsdp import load_sharded, save_sharded
 from .wrappers import unwrap
 
-__all__ = ["PreparedObjects", "StateHooks", "load_accelerator_state", "resolve_load_dir", "resolve_save_dir",
+__all__ = ["PendingSave", "PreparedObjects", "StateHooks", "load_accelerator_state", "resolve_load_dir", "resolve_save_dir",
            "save_accelerator_state", "save_model_weights"]
 
 log = logging.getLogger("mixprec")
@@ -173,20 +174,26 @@ def save_model_weights(model: torch.nn.Module, directory: Path, *, max_shard_siz
 def save_accelerator_state(output_dir: Path, prepared: PreparedObjects, process: D.ProcessInfo,
                            precision_state: dict[str, Any], meta: dict[str, Any],
                            extra_files: dict[str, str | bytes], hooks: StateHooks | None = None,
-                           sharded: bool = False) -> Path:
+                           sharded: bool = False, asynchronous: bool = False, process_group: Any = None,
+                           after_commit: Callable[[], None] | None = None) -> PendingSave:
     """See :meth:`Accelerator.save_state`. ``meta`` (the run's counters and precision name) is
     written as ``accelerator.bin``; the main process writes all but the RNG files (and, with
     ``sharded``, the models' and optimizers' shards, which every rank writes with DCP into
     ``model_<i>/``). The staging folder is removed if anything fails, so no half-written
-    checkpoint is left."""
+    checkpoint is left. With ``asynchronous`` (sharded only) the shards are written in the
+    background and the folder is renamed into place when the last is on disk; the returned
+    handle's ``wait()`` blocks until then. ``after_commit`` runs on the main process once the
+    checkpoint is in place (rotation)."""
     final = output_dir
     main = process.rank == 0
     # The main process makes the staging folder; every process writes its own RNG state into it.
     tmp = Path(D.broadcast_object(str(ckpt.staging_dir(final)) if main else None))
     try:
         torch.save(ckpt.rng_state(), tmp / f"random_states_{process.rank}.bin")
+        futures = []
         if sharded:
-            save_sharded(tmp, [unwrap(m) for m in prepared.models], [o.optimizer for o in prepared.optimizers])
+            futures = save_sharded(tmp, [unwrap(m) for m in prepared.models], [o.optimizer for o in prepared.optimizers],
+                                   asynchronous=asynchronous, process_group=process_group)
         D.barrier()
         if main:
             models = [] if sharded else list(prepared.models)
@@ -208,14 +215,76 @@ def save_accelerator_state(output_dir: Path, prepared: PreparedObjects, process:
             torch.save(meta, tmp / "accelerator.bin")
             for name, content in extra_files.items():
                 (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
-            ckpt.commit_checkpoint(tmp, final, meta={"num_processes": process.world_size,
-                                                     "precision": meta["precision"]})
     except BaseException:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    D.barrier()
-    return final
+
+    def commit() -> None:
+        if main:
+            ckpt.commit_checkpoint(tmp, final, meta={"num_processes": process.world_size, "precision": meta["precision"]})
+            if after_commit is not None:
+                after_commit()
+
+    def discard() -> None:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    pending = PendingSave(final, futures, commit, discard)
+    if not asynchronous:
+        pending.wait()
+        D.barrier()
+    return pending
+
+
+class PendingSave:
+    """A checkpoint being written; it appears at :attr:`path` (renamed into place) only when complete.
+
+    ``wait()`` blocks until it is, and raises what went wrong (the staging folder is then removed).
+    """
+
+    def __init__(self, path: Path, futures: list[Any], commit: Callable[[], None], discard: Callable[[], None]) -> None:
+        self.path = path
+        self._commit, self._discard = commit, discard
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._left = len(futures)
+        self.error: BaseException | None = None
+        if not futures:
+            self._finish()
+        for f in futures:
+            f.add_done_callback(self._one_done)
+
+    def _one_done(self, future: Any) -> None:
+        with self._lock:
+            self._left -= 1
+            if future.exception() is not None and self.error is None:
+                self.error = future.exception()
+            last = self._left == 0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            if self.error is None:
+                self._commit()
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            self.error = e
+        if self.error is not None:
+            self._discard()
+            log.error("mixprec: the checkpoint %s was not written: %s", self.path, self.error)
+        self._done.set()
+
+    def done(self) -> bool:
+        """Whether the checkpoint is complete (or failed)."""
+        return self._done.is_set()
+
+    def wait(self) -> Path:
+        """Block until the checkpoint is in place; re-raise its error if writing it failed."""
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.path
 
 
 def load_accelerator_state(input_dir: Path, prepared: PreparedObjects, process: D.ProcessInfo,

@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--inf-rank", type=int, default=-1)
     ap.add_argument("--inf-step", type=int, default=-1)
     ap.add_argument("--compensation", default="kahan")
+    ap.add_argument("--async-save", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
     scaler = {"init_scale": 2.0**10} if args.precision == "fp16" else None
@@ -93,7 +94,8 @@ def main():
         scales.append(acc.scaler.get_scale() if acc.scaler else None)
         skipped.append(acc.optimizer_step_was_skipped)
         if step == args.save_at:
-            acc.save_state(out / "ckpt", extra_files={"loop.json": json.dumps({"step": step})})
+            acc.save_state(out / "ckpt", extra_files={"loop.json": json.dumps({"step": step})},
+                           async_save=args.async_save)  # training goes on while it is written
         if step == args.steps:
             break
     full = acc.get_state_dict(model)
