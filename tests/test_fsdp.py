@@ -185,3 +185,22 @@ def test_async_save_appears_complete_and_a_failure_in_the_background_leaves_noth
     with pytest.raises(OSError, match="No space"):
         acc.wait_for_checkpoint()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no staging debris, no half checkpoint
+
+
+def test_two_nodes_on_one_machine_with_a_c10d_rendezvous_train_as_two_ranks(runs, tmp_path):
+    """Two `torchrun --nnodes 2 --nproc_per_node 1` launches meet at a c10d rendezvous on 127.0.0.1."""
+    root, _ = runs
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mixprec-test",
+           str(SCRIPT), str(tmp_path), "--precision", "fp32"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [n.communicate(timeout=300) for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), "".join(o[1][-2000:] for o in outs)
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["num_processes"] == 2 and res["sharded"] and res["ranks_identical"]
+    full, got = weights(root / "fp32"), weights(tmp_path)
+    for k in full:
+        assert torch.equal(got[k], full[k]), k  # the same global batches, the same shards: the same bits
