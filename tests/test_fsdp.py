@@ -74,7 +74,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     # The fp32 run's checkpoint is saved asynchronously: the resume tests below read it.
     r = {"fp32": launch(root / "fp32", "--precision", "fp32", "--save-at", "4", "--async-save"),
-         "bf16": launch(root / "bf16", "--precision", "bf16")}
+         "bf16": launch(root / "bf16", "--precision", "bf16", "--activation-checkpointing")}
     return root, r
 
 
@@ -83,6 +83,7 @@ def test_each_rank_holds_half_of_the_parameters_and_optimizer_state(runs):
     for res in r.values():
         assert res["num_processes"] == 2 and res["sharded"] and res["ranks_identical"]
         assert 0.45 < res["param_fraction"] < 0.55 and 0.45 < res["state_fraction"] < 0.55
+    assert r["bf16"]["checkpointed_blocks"] == 3 and r["fp32"]["checkpointed_blocks"] == 0
 
 
 @pytest.mark.parametrize("precision,tol", [("fp32", 1e-5), ("bf16", 2e-2)])

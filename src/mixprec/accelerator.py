@@ -352,7 +352,8 @@ class Accelerator(ProcessAPI):
         if self.use_distributed and self.fsdp_plugin is not None:
             before = dict(model.named_parameters())
             shard_model(model, self.fsdp_plugin, self.precision.sharding_policy(self.fsdp_plugin.reduce_dtype))
-            after = dict(model.named_parameters())
+            # (activation checkpointing wraps the blocks: their names gain the wrapper's prefix)
+            after = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
             # fully_shard replaces the parameters: optimizers built on the old ones are pointed at them.
             self._sharded_params.update({id(p): after[n] for n, p in before.items() if n in after})
         elif self.use_distributed:

@@ -249,3 +249,28 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     # (cpu_offload=True would hand the whole dict to rank 0 only)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: v.cpu() if torch.is_tensor(v) else v for k, v in full.items()}
+
+
+def plugin_from_training_args(fsdp: Any, fsdp_config: Any) -> FullyShardedDataParallelPlugin | None:
+    """The plugin for Hugging Face's ``TrainingArguments(fsdp=..., fsdp_config=...)``.
+
+    ``fsdp``: ``""``/``None``/``False`` (no sharding), ``True``, or options separated by spaces (or
+    a list): ``"full_shard"`` (parameters resharded after forward), ``"shard_grad_op"`` (kept
+    gathered until backward), ``"auto_wrap"`` (the default here). ``fsdp_config``: a dict of the
+    plugin's fields under Hugging Face's names (``transformer_layer_cls_to_wrap``,
+    ``reshard_after_forward``, ``activation_checkpointing``, ...), with or without ``fsdp_``.
+    """
+    if fsdp in (None, "", False, []) and not fsdp_config:
+        return None
+    options = ["full_shard"] if fsdp is True else (fsdp.split() if isinstance(fsdp, str) else list(fsdp or []))
+    known = {"full_shard", "shard_grad_op", "auto_wrap"}
+    for opt in options:
+        if opt not in known:
+            why = {"offload": "CPU offload is not supported yet", "hybrid_shard": "one node is sharded as a whole",
+                   "hybrid_shard_zero2": "one node is sharded as a whole",
+                   "no_shard": "without sharding, run DDP: leave fsdp unset"}.get(opt, "unknown option")
+            raise ValueError(f"fsdp={fsdp!r}: {opt!r}: {why}; mixprec takes {sorted(known)}")
+    config = dict(fsdp_config or {})
+    if "shard_grad_op" in options:
+        config.setdefault("reshard_after_forward", False)
+    return FullyShardedDataParallelPlugin.from_config(config)

@@ -61,12 +61,14 @@ def main():
     ap.add_argument("--inf-step", type=int, default=-1)
     ap.add_argument("--compensation", default="kahan")
     ap.add_argument("--async-save", action="store_true")
+    ap.add_argument("--activation-checkpointing", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
     scaler = {"init_scale": 2.0**10} if args.precision == "fp16" else None
     acc = Accelerator(mixed_precision=args.precision, cpu=True, loss_scaler=scaler,
                       bf16_true_compensation=args.compensation,
-                      fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]))
+                      fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"],
+                                                                 activation_checkpointing=args.activation_checkpointing))
     torch.manual_seed(0)
     model = Net()
     total = sum(p.numel() for p in model.parameters())
@@ -114,6 +116,7 @@ def main():
             "num_processes": acc.num_processes, "sharded": type(model).__name__.startswith("FSDP"),
             "param_fraction": local_numel(model.parameters()) / total,
             "state_fraction": local_numel(state) / (2 * total),
+            "checkpointed_blocks": sum(type(m).__name__.endswith("CheckpointWrapper") for m in model.modules()),
             "scales": scales, "skipped": skipped, "losses": losses, "ranks_identical": len(set(digests)) == 1, "step": step}))
     acc.end_training()
 
