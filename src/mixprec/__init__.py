@@ -15,9 +15,13 @@ from .precision import PrecisionPerformanceWarning, PrecisionPolicy, precision_n
 from .scaler import LossScaleCollapse, LossScaler
 from .tasks import GPT, GPTConfig, Task, get_task, load_factory
 from .trainer import (
+    DefaultFlowCallback,
     EarlyStoppingCallback,
     EvalPrediction,
+    ExportableState,
     PredictionOutput,
+    PrinterCallback,
+    ProgressCallback,
     Trainer,
     TrainerCallback,
     TrainerControl,
@@ -38,7 +42,11 @@ __all__ = [
     "GradientAccumulationPlugin",
     "ProjectConfiguration",
     "DeviceCapability",
+    "DefaultFlowCallback",
     "EarlyStoppingCallback",
+    "ExportableState",
+    "PrinterCallback",
+    "ProgressCallback",
     "GPT",
     "GPTConfig",
     "Task",

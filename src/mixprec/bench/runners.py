@@ -20,6 +20,7 @@ from torch.utils import flop_counter
 from ..accelerator import Accelerator
 from ..data import send_to_device
 from ..precision import policy_for
+from ..trainer import PrinterCallback
 from ..trainer.outputs import call_model
 from .config import BenchConfig, _Job, _loss_of
 from .measure import _CPU_SDPA_FLOPS, _Clock
@@ -202,6 +203,7 @@ class _MixprecTrainerRunner(_Runner):
         torch.manual_seed(config.seed)
         self.trainer = BenchTrainer(model=job.build_model(), args=args, train_dataset=job.train,
                                     data_collator=job.collate_fn)
+        self.trainer.remove_callback(PrinterCallback)  # the bench prints its own table
         super().__init__(self.trainer.model_wrapped, device)
         self._loss = torch.zeros(())
         self._steps = self.trainer._training_steps()

@@ -80,7 +80,7 @@ def _train(size: str, data: tuple[int | None, int | None], precision: str, steps
     from ..precision import PrecisionPerformanceWarning
 
     warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # the parent process said it once already
-    from ..trainer import Trainer, TrainingArguments
+    from ..trainer import PrinterCallback, Trainer, TrainingArguments
     from ..trainer.checkpoints import list_checkpoints
 
     task = _task(size, *data)
@@ -94,6 +94,8 @@ def _train(size: str, data: tuple[int | None, int | None], precision: str, steps
     trainer = Trainer(model=task.build_model(), args=targs, train_dataset=task.train_dataset,
                       eval_dataset=task.eval_dataset, data_collator=task.collate_fn, compute_metrics=task.compute_metrics,
                       preprocess_logits_for_metrics=task.preprocess_logits_for_metrics, callbacks=[timer])
+    if not progress:
+        trainer.remove_callback(PrinterCallback)  # the demo's own lines say what a log would
     device = trainer.accelerator.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
