@@ -205,3 +205,39 @@ def test_two_nodes_on_one_machine_with_a_c10d_rendezvous_train_as_two_ranks(runs
     full, got = weights(root / "fp32"), weights(tmp_path)
     for k in full:
         assert torch.equal(got[k], full[k]), k  # the same global batches, the same shards: the same bits
+
+
+ELASTIC = Path(__file__).parent / "scripts" / "elastic_trainer.py"
+
+
+def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_trainer_resumes_bit_for_bit(tmp_path):
+    """TrainingArguments(fsdp="full_shard") under `torchrun --max-restarts 1`: rank 1 is SIGKILLed at
+    step 6; the agent restarts both ranks; the Trainer (no resume argument) continues from
+    checkpoint-4 and ends equal to an uninterrupted run."""
+    def run(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(ELASTIC), str(out), *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    run(tmp_path / "full")
+    proc = run(tmp_path / "killed", "--kill-at", "6")
+    assert (tmp_path / "killed" / "attempts.txt").read_text() == "attempt 1 finished at step 12\n"
+    assert "restart 1 of this run (torchrun); resuming from" in proc.stderr and "checkpoint-4" in proc.stderr
+    a = safetensors.torch.load_file(str(tmp_path / "full" / "final" / "model.safetensors"))
+    b = safetensors.torch.load_file(str(tmp_path / "killed" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_arguments_fsdp_maps_onto_the_plugin_with_hugging_faces_names():
+    from mixprec import TrainingArguments
+
+    args = TrainingArguments(output_dir="x", fsdp="shard_grad_op auto_wrap",
+                             fsdp_config={"transformer_layer_cls_to_wrap": ["Block"], "activation_checkpointing": True})
+    p = args.fsdp_plugin
+    assert p.reshard_after_forward is False and p.transformer_cls_names_to_wrap == ["Block"] and p.activation_checkpointing
+    assert TrainingArguments(output_dir="x").fsdp_plugin is None
+    with pytest.raises(ValueError, match="offload.*not supported"):
+        TrainingArguments(output_dir="x", fsdp="full_shard offload")

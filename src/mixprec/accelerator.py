@@ -350,6 +350,9 @@ class Accelerator(ProcessAPI):
                 self.monitor = Monitor(self.diagnostics, scaler=self.scaler)
             self.monitor.watch(model)
         if self.use_distributed and self.fsdp_plugin is not None:
+            # Every rank shards the same weights: rank 0's (as DDP does; FSDP2 alone would keep
+            # each rank's own slice of differently initialised models).
+            D.broadcast_module_state(model)
             before = dict(model.named_parameters())
             shard_model(model, self.fsdp_plugin, self.precision.sharding_policy(self.fsdp_plugin.reduce_dtype))
             # (activation checkpointing wraps the blocks: their names gain the wrapper's prefix)

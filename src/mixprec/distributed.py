@@ -63,8 +63,19 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> ProcessInfo:
                 "`torchrun --nproc_per_node N script.py`, which sets them"
             )
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=info.rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None:
+            # Under torchrun's elastic agent the group may be a restart of a failed one: its keys in
+            # the store get the attempt's prefix, so no process reads a dead peer's address.
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=not agent_store and info.rank == 0, timeout=timeout,
+                                  multi_tenant=not agent_store)
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"mixprec/attempt_{attempt}", store),
+                                    rank=info.rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, rank=info.rank, world_size=world, timeout=timeout)
     return info
 
 
@@ -115,6 +126,14 @@ def reduce(data: Any, reduction: str = "sum") -> Any:
         if reduction == "mean":
             out = out / dist.get_world_size()
     return out
+
+
+def broadcast_module_state(module: torch.nn.Module, src: int = 0) -> None:
+    """Overwrite ``module``'s parameters and buffers with process ``src``'s, in place."""
+    if _active():
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, src=src)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

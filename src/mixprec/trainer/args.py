@@ -34,8 +34,6 @@ _UNSUPPORTED = {
     "hub_model_id": "mixprec does not upload to the Hub", "hub_strategy": "mixprec does not upload to the Hub",
     "hub_always_push": "mixprec does not upload to the Hub", "hub_revision": "mixprec does not upload to the Hub",
     "deepspeed": "DeepSpeed is not integrated; mixprec shards with FSDP2 through torchrun",
-    "fsdp": "mixprec's Trainer runs DDP under torchrun; use mixprec.Accelerator for FSDP2",
-    "fsdp_config": "mixprec's Trainer runs DDP under torchrun; use mixprec.Accelerator for FSDP2",
     "accelerator_config": "mixprec's Trainer builds a mixprec.Accelerator from these arguments",
     "parallelism_config": "mixprec runs data parallelism only",
     "use_liger_kernel": "Liger kernels are not integrated", "liger_kernel_config": "Liger kernels are not integrated",
@@ -195,6 +193,9 @@ class TrainingArguments:
     diagnostics_steps: int = 0
     trace_overflow: bool = False
     drift_steps: int = 0
+    # Sharding with FSDP2 (Hugging Face's names): see the fsdp_plugin property
+    fsdp: Any = None
+    fsdp_config: Any = None
     # Hugging Face's, unsupported: only their defaults are accepted (see _UNSUPPORTED)
     push_to_hub: bool = False
     hub_token: str | None = None
@@ -204,8 +205,6 @@ class TrainingArguments:
     hub_always_push: bool = False
     hub_revision: str | None = None
     deepspeed: Any = None
-    fsdp: Any = None
-    fsdp_config: Any = None
     accelerator_config: Any = None
     parallelism_config: Any = None
     use_liger_kernel: bool = False
@@ -254,6 +253,15 @@ class TrainingArguments:
             self.eval_strategy = evaluation_strategy
         self.validate()
 
+    @property
+    def fsdp_plugin(self) -> Any:
+        """The :class:`~mixprec.FullyShardedDataParallelPlugin` that ``fsdp`` / ``fsdp_config`` ask for
+        (``None`` without sharding): ``fsdp="full_shard"`` (or ``"shard_grad_op"``) with
+        Hugging Face's ``fsdp_config`` keys (``transformer_layer_cls_to_wrap``, ...)."""
+        from ..fsdp import plugin_from_training_args
+
+        return plugin_from_training_args(self.fsdp, self.fsdp_config)
+
     def validate(self) -> None:
         """Check every field (and fill the ones that default to others); the Trainer calls it again
         when it starts, so values assigned after construction are checked too.
@@ -278,6 +286,7 @@ class TrainingArguments:
             if value != default:
                 raise ValueError(f"{name}={value!r} is not supported by mixprec's Trainer ({why}); leave {name} at "
                                  f"its default {default!r}")
+        self.fsdp_plugin  # noqa: B018 - fsdp / fsdp_config are checked here, with the option's name
         for name in ("eval_strategy", "logging_strategy"):
             _one_of(name, getattr(self, name), _STRATEGIES)
         _one_of("save_strategy", self.save_strategy, (*_STRATEGIES, "best"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import os
 import pickle
 import random
 import time
@@ -36,7 +37,13 @@ from .callbacks import (
     log,
     restore_states,
 )
-from .checkpoints import checkpoint_to_resume, rotate_checkpoints, weights_file, write_trainer_checkpoint
+from .checkpoints import (
+    checkpoint_to_resume,
+    list_checkpoints,
+    rotate_checkpoints,
+    weights_file,
+    write_trainer_checkpoint,
+)
 from .data import collate, model_input_names, prepare_dataset
 from .evaluation import EvalPrediction, PredictionOutput, evaluation_loop, predict_batch
 from .outputs import call_model, extract_loss
@@ -154,6 +161,7 @@ class Trainer:
             bf16_true_state_dtype=a.bf16_true_state_dtype,
             # The Trainer resumes mid-epoch from the loader's saved position (it never skips batches itself).
             dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+            fsdp_plugin=a.fsdp_plugin,  # FSDP2 under torchrun when TrainingArguments(fsdp="full_shard")
             diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps, trace_overflow=a.trace_overflow,
                                           drift_every=a.drift_steps))
         self.model = model
@@ -261,7 +269,9 @@ class Trainer:
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None) -> TrainOutput:
         """Train; ``resume_from_checkpoint=True`` continues from the newest complete checkpoint in
-        ``output_dir`` (or a path), at the exact batch, with the same data order and RNG.
+        ``output_dir`` (or a path), at the exact batch, with the same data order and RNG;
+        ``"auto"`` does so if there is one and starts afresh if not. After torchrun's elastic agent
+        restarted the run (``TORCHELASTIC_RESTART_COUNT`` > 0), ``None`` means ``"auto"``.
         ``ignore_keys_for_eval``: output keys the evaluations during training leave out."""
         if trial is not None:
             raise ValueError("trial: hyperparameter search is not supported by mixprec's Trainer")
@@ -286,6 +296,15 @@ class Trainer:
         if args.should_checkpoint_activations:
             self._enable_activation_checkpointing()
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if resume is None and restarted > 0:
+            resume = "auto"  # torchrun's elastic agent restarted the group: continue, don't start over
+        if resume == "auto":
+            found = list_checkpoints(Path(args.output_dir))
+            resume = found[-1] if found else None
+            if restarted > 0:
+                log.warning("mixprec: restart %d of this run (torchrun); %s", restarted,
+                            f"resuming from {resume}" if resume else "no complete checkpoint yet: starting over")
         resume_path = checkpoint_to_resume(Path(args.output_dir), resume) if resume else None
         train_dl = self.get_train_dataloader()
         try:

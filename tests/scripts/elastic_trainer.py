@@ -1,0 +1,48 @@
+"""The Trainer with FSDP2 under torchrun; on the first attempt rank 1 SIGKILLs itself at a step.
+
+    python -m torch.distributed.run --nproc_per_node 2 --max-restarts 1 elastic_trainer.py OUT [--kill-at K]
+
+torchrun's elastic agent restarts both ranks; the Trainer (resume_from_checkpoint unset) then
+resumes from the newest complete checkpoint by itself. Writes OUT/final/model.safetensors and,
+on rank 0, OUT/attempts.txt (one line per attempt).
+"""
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mixprec import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from toys import Classifier, blobs  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("out")
+ap.add_argument("--kill-at", type=int, default=-1)
+ap.add_argument("--fsdp", default="full_shard", help="'' runs DDP")
+args = ap.parse_args()
+out = Path(args.out)
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class KillOnce(TrainerCallback):
+    def on_step_end(self, targs, state, control, **kwargs):
+        if attempt == 0 and state.global_step == args.kill_at and int(os.environ.get("RANK", "0")) == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+targs = TrainingArguments(output_dir=str(out), max_steps=12, per_device_train_batch_size=8, learning_rate=0.05,
+                          save_strategy="steps", save_steps=4, logging_steps=4, disable_tqdm=True, report_to="none",
+                          seed=0, use_cpu=True, fsdp=args.fsdp)
+torch.manual_seed(0)
+trainer = Trainer(model=Classifier(hidden=32), args=targs, train_dataset=blobs(256), callbacks=[KillOnce()])
+result = trainer.train()
+trainer.save_model(str(out / "final"))
+if trainer.is_world_process_zero():
+    with open(out / "attempts.txt", "a") as fh:
+        fh.write(f"attempt {attempt} finished at step {result.global_step}\n")
