@@ -104,6 +104,10 @@ class Accelerator(ProcessAPI):
             dict): with several processes, prepared models are sharded with FSDP2 under the
             precision's ``MixedPrecisionPolicy``, and checkpoints are written by every rank with
             ``torch.distributed.checkpoint`` (they load on any number of ranks).
+        skip_nonfinite_steps: in fp32 and bf16-mixed too, skip an optimizer step whose gradients
+            hold inf/NaN (the loss scaler's check at a scale pinned to 1: counted in
+            ``skipped_steps``, no host sync with fused optimizers, ``max_consecutive_skips`` in
+            ``loss_scaler=`` applies). fp16 always skips them.
         step_scheduler_with_optimizer: a prepared scheduler steps with its optimizer, as many
             times per call as there are processes (a schedule written for one process's count
             of batches then ends on time), unless ``split_batches``. ``False``: it steps once
@@ -128,7 +132,8 @@ class Accelerator(ProcessAPI):
                  project_config: ProjectConfiguration | None = None,
                  gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
                  step_scheduler_with_optimizer: bool = True,
-                 fsdp_plugin: FullyShardedDataParallelPlugin | dict | None = None) -> None:
+                 fsdp_plugin: FullyShardedDataParallelPlugin | dict | None = None,
+                 skip_nonfinite_steps: bool = False) -> None:
         plugin = gradient_accumulation_plugin
         if plugin is not None:
             plugin = coerce_config(plugin, GradientAccumulationPlugin, "gradient_accumulation_plugin")
@@ -181,8 +186,9 @@ class Accelerator(ProcessAPI):
                                             plugin.sync_with_dataloader, plugin.sync_each_batch)
         policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", self.device)
         #: What the run's precision does (read at call time by the prepared models and optimizers).
+        self.skip_nonfinite_steps = skip_nonfinite_steps
         self.precision: PrecisionPlugin = make_plugin(policy, self.device, loss_scaler=loss_scaler,
-                                                      bf16_true=self.bf16_true)
+                                                      bf16_true=self.bf16_true, skip_nonfinite_steps=skip_nonfinite_steps)
         self.device_placement = device_placement
         self.ddp_comm_hook = ddp_comm_hook
         self.step = 0  # micro-batches seen by accumulate(), as Accelerate counts them
@@ -588,7 +594,8 @@ class Accelerator(ProcessAPI):
         """Run the rest of training in ``name``: one assignment, which every prepared model and
         optimizer reads at its next call."""
         self.precision.release()
-        self.precision = make_plugin(name, self.device, bf16_true=self.bf16_true)
+        self.precision = make_plugin(name, self.device, bf16_true=self.bf16_true,
+                                     skip_nonfinite_steps=self.skip_nonfinite_steps)
         for o in self.prepared.optimizers:
             self.precision.track_optimizer(o.optimizer)
 

@@ -215,6 +215,8 @@ class MixedPrecision(PrecisionPlugin):
         return self._scaler
 
     def fallback_precision(self, native_bf16: bool) -> str | None:
+        if self.policy.compute_dtype == torch.float32:
+            return None  # an fp32 run guarded against inf/NaN has nothing safer to switch to
         return "bf16-mixed" if native_bf16 and self.policy.compute_dtype == torch.float16 else "fp32"
 
     def log_values(self) -> dict[str, Any]:

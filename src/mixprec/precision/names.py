@@ -166,11 +166,30 @@ def make_plugin(precision: str | PrecisionPolicy, device: str | torch.device, **
         device: the device the run trains on.
         **options: the plugin's options: ``loss_scaler`` (a :class:`~mixprec.LossScaler` or a dict
             of its arguments; refused by precisions that need none), ``bf16_true`` (a
-            :class:`~mixprec.precision.BF16TrueConfig`).
+            :class:`~mixprec.precision.BF16TrueConfig`), ``skip_nonfinite_steps`` (fp32 and
+            bf16-mixed: skip a step whose gradients hold inf/NaN, with the loss scaler's check at
+            a scale of 1; fp16 always does).
 
     Example:
         >>> type(make_plugin("bf16", "cpu")).__name__
         'MixedPrecision'
     """
     policy = resolve_precision(precision, device)
-    return _TABLE[policy.name].plugin(policy, device, **options)
+    guard = options.pop("skip_nonfinite_steps", False)
+    cls = _TABLE[policy.name].plugin
+    if guard and not policy.needs_loss_scaler:
+        from .mixed import MixedPrecision
+
+        if not issubclass(cls, MixedPrecision) and policy.param_dtype != _f32:
+            raise NotImplementedError(f"skip_nonfinite_steps with {policy.name} is not supported yet (its "
+                                      "optimizer has no inf/NaN check); use bf16-mixed, or leave it off")
+        scaler = options.get("loss_scaler")
+        if scaler is None or isinstance(scaler, dict):
+            # The loss scaler's inf/NaN check and skip, at a scale pinned to 1: nothing is scaled.
+            options["loss_scaler"] = {**(scaler or {}), **NONFINITE_GUARD}
+        return MixedPrecision(policy, device, **options)
+    return cls(policy, device, **options)
+
+
+#: A loss scaler that only guards: its scale is pinned to 1, so it checks for inf/NaN and skips.
+NONFINITE_GUARD = {"init_scale": 1.0, "min_scale": 1.0, "max_scale": 1.0}

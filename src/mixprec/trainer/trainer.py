@@ -161,6 +161,7 @@ class Trainer:
             bf16_true_state_dtype=a.bf16_true_state_dtype,
             # The Trainer resumes mid-epoch from the loader's saved position (it never skips batches itself).
             dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+            skip_nonfinite_steps=a.skip_nonfinite_steps,  # fp32/bf16 skip inf/NaN steps as fp16 does
             fsdp_plugin=a.fsdp_plugin,  # FSDP2 under torchrun when TrainingArguments(fsdp="full_shard")
             diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps, trace_overflow=a.trace_overflow,
                                           drift_every=a.drift_steps))
