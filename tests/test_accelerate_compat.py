@@ -255,3 +255,17 @@ def test_every_expected_failure_of_the_peer_suites_says_why():
     listed = run_peer.expected_failures()
     assert listed and all(len(why) > 20 for why in listed.values()), listed
     assert all("::" in test for test in listed)
+
+
+def test_preemptible_turns_sigterm_into_should_stop_and_restores_the_handler():
+    import os
+    import signal
+
+    acc = Accelerator(cpu=True)
+    before = signal.getsignal(signal.SIGTERM)
+    assert acc.should_stop is False  # outside preemptible(): never
+    with acc.preemptible():
+        assert acc.should_stop is False
+        os.kill(os.getpid(), signal.SIGTERM)  # the process is not killed: the flag is set
+        assert acc.should_stop is True and acc.should_stop is True
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -62,14 +62,16 @@ def test_seed_trainer_snippet_trains_evaluates_every_epoch_and_logs(tmp_path, mo
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_train_killed_mid_epoch_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path, precision):
+    """SIGKILL mid-epoch, SIGKILL mid-save, and SIGTERM (preemption): each resumes bit for bit."""
     script = Path(__file__).parent / "scripts" / "resume_trainer.py"
 
-    def run(out, *extra, killed=False):
+    def run(out, *extra, killed=False, code=0):
         import subprocess
 
         p = subprocess.run([sys.executable, str(script), str(out), "--precision", precision, *extra],
                            capture_output=True, text=True, timeout=300)
-        assert p.returncode == (-9 if killed else 0), p.stderr[-3000:]
+        assert p.returncode == (-9 if killed else code), p.stderr[-3000:]
+        return p
 
     run(tmp_path / "full")
     run(tmp_path / "killed", "--kill-at", "17", killed=True)  # 12 steps per epoch: mid second epoch
@@ -79,8 +81,12 @@ def test_train_killed_mid_epoch_and_resumed_equals_uninterrupted_bit_for_bit(tmp
     run(tmp_path / "crash", "--kill-in-save", "3", killed=True)  # dies writing checkpoint-15
     assert not (tmp_path / "crash" / "checkpoint-15").exists()
     run(tmp_path / "crash", "--resume")  # resumes from checkpoint-10
+    # A preemption: SIGTERM at step 13 finishes the step, saves checkpoint-13, exits with status 75.
+    p = run(tmp_path / "term", "--sigterm-at", "13", code=75)
+    assert "SIGTERM received; stopped after step 13" in p.stderr and (tmp_path / "term" / "checkpoint-13").is_dir()
+    run(tmp_path / "term", "--resume")
     a = safetensors.torch.load_file(str(tmp_path / "full" / "final.safetensors"))
-    for other in ("killed", "crash"):
+    for other in ("killed", "crash", "term"):
         b = safetensors.torch.load_file(str(tmp_path / other / "final.safetensors"))
         for k in a:
             assert torch.equal(a[k], b[k]), (other, k)

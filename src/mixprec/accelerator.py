@@ -27,6 +27,7 @@ from .fallback import fallback_target, log_fallback
 from .fsdp import FullyShardedDataParallelPlugin, full_state_dict, is_sharded, shard_model
 from .hardware import default_device
 from .precision import BF16TrueConfig, PrecisionPlugin, PrecisionPolicy, make_plugin, resolve_precision
+from .preemption import Preemption
 from .process_api import ProcessAPI
 from .scaler import LossScaleCollapse, LossScaler
 from .state import (
@@ -168,6 +169,7 @@ class Accelerator(ProcessAPI):
                              "FullyShardedDataParallelPlugin(reduce_dtype=...) instead")
         self._sharded_params: dict[int, torch.nn.Parameter] = {}  # id(original) -> its sharded parameter
         self._pending_save: Any = None  # a checkpoint being written in the background
+        self._preemption: Preemption | None = None
         self._async_group: Any = None
         device = torch.device("cpu") if cpu else default_device()
         self._process = D.init_from_env(device.type)
@@ -598,6 +600,25 @@ class Accelerator(ProcessAPI):
                                      skip_nonfinite_steps=self.skip_nonfinite_steps)
         for o in self.prepared.optimizers:
             self.precision.track_optimizer(o.optimizer)
+
+    # -- preemption ----------------------------------------------------------------------
+    def preemptible(self) -> Preemption:
+        """A context in which SIGTERM (a scheduler's "stop soon") only sets :attr:`should_stop`:
+
+            with accelerator.preemptible():
+                for batch in dataloader:
+                    ...; optimizer.step(); optimizer.zero_grad()
+                    if accelerator.should_stop:          # every process stops at the same step
+                        accelerator.save_state("ckpt"); break
+        """
+        self._preemption = Preemption()
+        return self._preemption
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether any process got SIGTERM inside :meth:`preemptible` (with several processes,
+        one small all-reduce on the host: read it at the same point of every process's loop)."""
+        return self._preemption is not None and self._preemption.requested()
 
     @property
     def optimizer_step_was_skipped(self) -> bool:

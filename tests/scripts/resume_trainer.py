@@ -22,6 +22,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("out")
 ap.add_argument("--precision", default="fp32")
 ap.add_argument("--kill-at", type=int, default=-1)
+ap.add_argument("--sigterm-at", type=int, default=-1, help="send ourselves SIGTERM (a preemption) at this step")
 ap.add_argument("--kill-in-save", type=int, default=-1)
 ap.add_argument("--resume", action="store_true")
 args = ap.parse_args()
@@ -31,6 +32,8 @@ class KillAt(TrainerCallback):
     def on_step_end(self, args_, state, control, **kwargs):
         if state.global_step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if state.global_step == args.sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 if args.kill_in_save > 0:

@@ -27,6 +27,7 @@ from ..accelerator import Accelerator
 from ..configs import DataLoaderConfiguration
 from ..diagnostics import precision_drift
 from ..diagnostics.monitor import DiagnosticsConfig
+from ..preemption import PREEMPTED_EXIT_CODE, Preemption
 from ..wrappers import original_forward
 from .args import TrainingArguments
 from .callbacks import (
@@ -104,7 +105,14 @@ class Trainer:
         >>> trainer = Trainer(model=model, args=TrainingArguments(output_dir="out", bf16=True),
         ...                   train_dataset=train, eval_dataset=val)  # doctest: +SKIP
         >>> trainer.train()  # doctest: +SKIP
+
+    A SIGTERM during ``train()`` (a scheduler's preemption) stops every process after the current
+    optimizer step, writes a checkpoint, logs one line and exits with status 75
+    (``mixprec.preemption.PREEMPTED_EXIT_CODE``); ``resume_from_checkpoint=True`` continues bit for bit.
     """
+
+    _preemption: Preemption | None = None
+    _preempted_at: int | None = None
 
     def __init__(self, model: torch.nn.Module | None = None, args: TrainingArguments | None = None,
                  data_collator: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
@@ -282,6 +290,8 @@ class Trainer:
             try:
                 next(steps)
             except StopIteration as done:
+                if self._preempted_at is not None:
+                    raise SystemExit(PREEMPTED_EXIT_CODE) from None
                 return done.value
 
     def _training_steps(self, resume_from_checkpoint: str | bool | None = None) -> Generator[int, None, TrainOutput]:
@@ -340,6 +350,7 @@ class Trainer:
         self._loss_since_log = torch.tensor(self.state.loss_since_log, device=acc.device)
         self._steps_since_log = self.state.steps_since_log
         self._micro_in_step = 0
+        self._preempted_at: int | None = None
         self._done = {"log": -1, "evaluate": -1, "save": -1}
         self._grad_norm = None
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # listed once, not per step
@@ -349,6 +360,12 @@ class Trainer:
         if args.eval_on_start:
             self.evaluate(ignore_keys=self._ignore_keys_for_eval)
         epochs = range(train_dl.epoch, num_epochs) if self.state.global_step < max_steps else range(0)
+        with Preemption() as self._preemption:
+            yield from self._epochs(model, train_dl, epochs, max_steps)
+        return self._finish(start_time)
+
+    def _epochs(self, model: torch.nn.Module, train_dl: Any, epochs: range, max_steps: int) -> Generator[int, None, None]:
+        acc = self.accelerator
         for epoch in epochs:
             train_dl.set_epoch(epoch)
             self._event("on_epoch_begin")
@@ -363,7 +380,6 @@ class Trainer:
             self._maybe_log_save_evaluate(model)
             if self.control.should_training_stop or self.state.global_step >= max_steps:
                 break
-        return self._finish(start_time)
 
     def _enable_activation_checkpointing(self) -> None:
         inner = self.accelerator.unwrap_model(self.model)
@@ -411,7 +427,14 @@ class Trainer:
         self._event("on_step_end")
         if self.state.global_step >= self.state.max_steps:  # stops even without DefaultFlowCallback
             self.control.should_training_stop = True
+        if self._preemption is not None and self._preemption.requested():  # SIGTERM: every rank, this step
+            self.control.should_save = self.control.should_training_stop = True
+            self._preempted_at = self.state.global_step
         self._maybe_log_save_evaluate(model)
+        if self._preempted_at == self.state.global_step:
+            log.warning("mixprec: SIGTERM received; stopped after step %d with a checkpoint in %s; exiting with "
+                        "status %d (continue with resume_from_checkpoint=True)", self.state.global_step,
+                        self.args.output_dir, PREEMPTED_EXIT_CODE)
         return True
 
     def _log_drift(self, model: torch.nn.Module, batch: Any) -> None:
