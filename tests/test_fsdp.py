@@ -241,3 +241,24 @@ def test_training_arguments_fsdp_maps_onto_the_plugin_with_hugging_faces_names()
     assert TrainingArguments(output_dir="x").fsdp_plugin is None
     with pytest.raises(ValueError, match="offload.*not supported"):
         TrainingArguments(output_dir="x", fsdp="full_shard offload")
+
+
+def test_a_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(tmp_path):
+    def run(out, *extra, ok=True):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), str(ELASTIC), str(out), *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    run(tmp_path / "full")
+    proc = run(tmp_path / "term", "--sigterm-at", "6", ok=False)  # both ranks exit with status 75
+    assert proc.stderr.count("SIGTERM received; stopped after step 6") == 2  # rank 0 saw it through rank 1
+    assert "exitcode  : 75" in proc.stderr
+    names = sorted(p.name for p in (tmp_path / "term").iterdir() if p.name.startswith("checkpoint"))
+    assert names == ["checkpoint-4", "checkpoint-6"]
+    run(tmp_path / "term", "--resume")
+    a = safetensors.torch.load_file(str(tmp_path / "full" / "final" / "model.safetensors"))
+    b = safetensors.torch.load_file(str(tmp_path / "term" / "final" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

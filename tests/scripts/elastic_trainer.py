@@ -25,6 +25,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("out")
 ap.add_argument("--kill-at", type=int, default=-1)
 ap.add_argument("--fsdp", default="full_shard", help="'' runs DDP")
+ap.add_argument("--sigterm-at", type=int, default=-1, help="rank 1 alone gets SIGTERM at this step")
+ap.add_argument("--resume", action="store_true", help="resume_from_checkpoint='auto'")
 args = ap.parse_args()
 out = Path(args.out)
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -34,6 +36,8 @@ class KillOnce(TrainerCallback):
     def on_step_end(self, targs, state, control, **kwargs):
         if attempt == 0 and state.global_step == args.kill_at and int(os.environ.get("RANK", "0")) == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        if state.global_step == args.sigterm_at and int(os.environ.get("RANK", "0")) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 targs = TrainingArguments(output_dir=str(out), max_steps=12, per_device_train_batch_size=8, learning_rate=0.05,
@@ -41,7 +45,7 @@ targs = TrainingArguments(output_dir=str(out), max_steps=12, per_device_train_ba
                           seed=0, use_cpu=True, fsdp=args.fsdp)
 torch.manual_seed(0)
 trainer = Trainer(model=Classifier(hidden=32), args=targs, train_dataset=blobs(256), callbacks=[KillOnce()])
-result = trainer.train()
+result = trainer.train(resume_from_checkpoint="auto" if args.resume else None)
 trainer.save_model(str(out / "final"))
 if trainer.is_world_process_zero():
     with open(out / "attempts.txt", "a") as fh:
