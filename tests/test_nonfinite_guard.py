@@ -65,3 +65,25 @@ def test_the_guard_makes_no_host_sync_with_a_fused_optimizer():
 def test_bf16_true_says_it_has_no_guard_yet():
     with pytest.raises(NotImplementedError, match="bf16-true.*bf16-mixed"):
         Accelerator(mixed_precision="bf16-true", cpu=True, skip_nonfinite_steps=True)
+
+
+@pytest.mark.parametrize("guard", [None, False])
+def test_the_trainer_guards_by_default_and_off_one_nan_row_poisons_the_model(tmp_path, guard):
+    from mixprec import Trainer, TrainingArguments
+
+    from toys import Classifier, blobs
+
+    data = blobs(64)
+    data[20]["features"] = data[20]["features"].clone()
+    data[20]["features"][0] = float("nan")
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=8,
+                             save_strategy="no", disable_tqdm=True, report_to="none", skip_nonfinite_steps=guard,
+                             train_sampling_strategy="sequential")
+    torch.manual_seed(0)
+    trainer = Trainer(model=Classifier(), args=args, train_dataset=data)
+    trainer.train()
+    finite = all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    if guard is None:
+        assert finite and trainer.state.skipped_steps == 1
+    else:
+        assert not finite

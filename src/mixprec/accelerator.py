@@ -108,7 +108,8 @@ class Accelerator(ProcessAPI):
         skip_nonfinite_steps: in fp32 and bf16-mixed too, skip an optimizer step whose gradients
             hold inf/NaN (the loss scaler's check at a scale pinned to 1: counted in
             ``skipped_steps``, no host sync with fused optimizers, ``max_consecutive_skips`` in
-            ``loss_scaler=`` applies). fp16 always skips them.
+            ``loss_scaler=`` applies; ``"auto"``: where the precision has it, not bf16-true yet).
+            fp16 always skips them. Off by default, as in Accelerate; the Trainer turns it on.
         step_scheduler_with_optimizer: a prepared scheduler steps with its optimizer, as many
             times per call as there are processes (a schedule written for one process's count
             of batches then ends on time), unless ``split_batches``. ``False``: it steps once
@@ -134,7 +135,7 @@ class Accelerator(ProcessAPI):
                  gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
                  step_scheduler_with_optimizer: bool = True,
                  fsdp_plugin: FullyShardedDataParallelPlugin | dict | None = None,
-                 skip_nonfinite_steps: bool = False) -> None:
+                 skip_nonfinite_steps: bool | str = False) -> None:
         plugin = gradient_accumulation_plugin
         if plugin is not None:
             plugin = coerce_config(plugin, GradientAccumulationPlugin, "gradient_accumulation_plugin")

@@ -66,7 +66,8 @@ def test_a_collapsing_fp16_run_with_fallback_finishes_in_bf16_with_finite_loss(t
     again = Trainer(model=Blowup(), args=collapse_args(tmp_path, "fallback").replace(max_steps=14),
                     train_dataset=blobs(256))
     again.train(resume_from_checkpoint=True)
-    assert again.accelerator.policy.name == target and again.accelerator.scaler is None
+    scaler = again.accelerator.scaler  # none, or the Trainer's inf/NaN guard, which scales nothing
+    assert again.accelerator.policy.name == target and (scaler is None or scaler.get_scale() == 1.0)
 
 
 def test_a_collapsing_fp16_run_with_raise_names_the_fix_and_the_module(tmp_path):

@@ -168,7 +168,7 @@ def make_plugin(precision: str | PrecisionPolicy, device: str | torch.device, **
             of its arguments; refused by precisions that need none), ``bf16_true`` (a
             :class:`~mixprec.precision.BF16TrueConfig`), ``skip_nonfinite_steps`` (fp32 and
             bf16-mixed: skip a step whose gradients hold inf/NaN, with the loss scaler's check at
-            a scale of 1; fp16 always does).
+            a scale of 1; fp16 always does; ``"auto"``: where the precision has it).
 
     Example:
         >>> type(make_plugin("bf16", "cpu")).__name__
@@ -181,6 +181,8 @@ def make_plugin(precision: str | PrecisionPolicy, device: str | torch.device, **
         from .mixed import MixedPrecision
 
         if not issubclass(cls, MixedPrecision) and policy.param_dtype != _f32:
+            if guard == "auto":
+                return cls(policy, device, **options)
             raise NotImplementedError(f"skip_nonfinite_steps with {policy.name} is not supported yet (its "
                                       "optimizer has no inf/NaN check); use bf16-mixed, or leave it off")
         scaler = options.get("loss_scaler")

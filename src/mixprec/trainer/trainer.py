@@ -169,7 +169,8 @@ class Trainer:
             bf16_true_state_dtype=a.bf16_true_state_dtype,
             # The Trainer resumes mid-epoch from the loader's saved position (it never skips batches itself).
             dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
-            skip_nonfinite_steps=a.skip_nonfinite_steps,  # fp32/bf16 skip inf/NaN steps as fp16 does
+            # fp32/bf16 skip inf/NaN steps as fp16 does; None: wherever the precision can
+            skip_nonfinite_steps="auto" if a.skip_nonfinite_steps is None else a.skip_nonfinite_steps,
             fsdp_plugin=a.fsdp_plugin,  # FSDP2 under torchrun when TrainingArguments(fsdp="full_shard")
             diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps, trace_overflow=a.trace_overflow,
                                           drift_every=a.drift_steps))
@@ -582,6 +583,7 @@ class Trainer:
 
     def _finish(self, start_time: float) -> TrainOutput:
         s = self.state
+        self._read_scaler_into_state()  # the skip count is exact at the end, whatever logging_steps
         if self._steps_since_log:
             s.total_loss += self.accelerator.reduce(self._loss_since_log, "mean").item()
         runtime = time.time() - start_time
