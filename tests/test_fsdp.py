@@ -223,6 +223,10 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_trainer_resumes_
         return proc
 
     run(tmp_path / "full")
+    # The schedule counts optimizer steps on each rank (linear decay over 12 steps), not one per process.
+    history = json.loads((tmp_path / "full" / "checkpoint-12" / "trainer_state.json").read_text())["log_history"]
+    lr4 = next(h["learning_rate"] for h in history if h.get("step") == 4)
+    assert lr4 == pytest.approx(0.05 * 8 / 12)
     proc = run(tmp_path / "killed", "--kill-at", "6")
     assert (tmp_path / "killed" / "attempts.txt").read_text() == "attempt 1 finished at step 12\n"
     assert "restart 1 of this run (torchrun); resuming from" in proc.stderr and "checkpoint-4" in proc.stderr

@@ -393,12 +393,13 @@ class Accelerator(ProcessAPI):
         self.prepared.optimizers.append(wrapped)
         return self._mark_prepared(wrapped)
 
-    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+    def prepare_scheduler(self, scheduler: Any, *, steps_per_call: int | None = None) -> AcceleratedScheduler:
         """Wrap ``scheduler`` so that it steps only when its optimizer's step was applied (see
-        ``step_scheduler_with_optimizer``)."""
+        ``step_scheduler_with_optimizer``). ``steps_per_call`` overrides Accelerate's count of
+        schedule steps per applied step (the number of processes, or 1 with ``split_batches``)."""
         optimizers = self.prepared.optimizers
         mine = [o for o in optimizers if scheduler.optimizer in (o.optimizer, o.original_optimizer)]
-        per_call = 1 if self.split_batches else self.num_processes
+        per_call = steps_per_call or (1 if self.split_batches else self.num_processes)
         wrapped = AcceleratedScheduler(scheduler, mine or optimizers, self.gradient_state,
                                        step_with_optimizer=self.step_scheduler_with_optimizer, steps_per_call=per_call)
         self.prepared.schedulers.append(wrapped)

@@ -102,8 +102,9 @@ class TrainingArguments:
     beside the mixed one); ``on_loss_scale_collapse="fallback"`` switches a collapsing fp16 run to
     bf16-mixed (or fp32) instead of raising; ``skip_nonfinite_steps`` makes fp32 and bf16-mixed
     skip an optimizer step whose gradients hold inf/NaN, as fp16 does (counted in
-    ``state.skipped_steps``; ~2% step time on pycode small): ``None`` (default) turns it on where
-    the precision has it (not bf16-true yet), ``False`` off. With ``precision="bf16-true"``,
+    ``state.skipped_steps``; ~2% step time on pycode small, and one host sync per step: the
+    schedule reads whether the step was applied): ``True`` on, ``None`` on where the precision has
+    it (not bf16-true yet), ``False`` (default) off. With ``precision="bf16-true"``,
     ``bf16_true_compensation`` (``"kahan"``, ``"stochastic"``, ``"none"``) and
     ``bf16_true_state_dtype`` (``"fp32"``, ``"bf16"``: the moments, half the optimizer memory) are
     the Accelerator's arguments of the same names. ``report_to="jsonl"`` (the default) appends
@@ -191,7 +192,7 @@ class TrainingArguments:
     precision: str | None = None
     loss_scaler: dict[str, Any] | None = field(default=None)
     on_loss_scale_collapse: str = "raise"
-    skip_nonfinite_steps: bool | None = None
+    skip_nonfinite_steps: bool | None = False
     bf16_true_compensation: str = "kahan"
     bf16_true_state_dtype: str = "fp32"
     diagnostics_steps: int = 0

@@ -334,7 +334,9 @@ class Trainer:
         if getattr(self, "_created_lr_scheduler", False):  # a second train() schedules its own steps
             self.lr_scheduler, self._created_lr_scheduler = None, False
         self.create_optimizer_and_scheduler(max_steps)
-        self.optimizer, self.lr_scheduler = acc.prepare(self.optimizer, self.lr_scheduler)
+        self.optimizer = acc.prepare(self.optimizer)
+        # The schedule counts optimizer steps, on every process alike (not Accelerate's one per process).
+        self.lr_scheduler = acc.prepare_scheduler(self.lr_scheduler, steps_per_call=1)
         model = self.model_wrapped  # compiled by the Accelerator when torch_compile=True
         self.state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs,
                                   train_batch_size=args.train_batch_size, is_world_process_zero=acc.is_main_process,
