@@ -142,3 +142,17 @@ def test_save_model_writes_loadable_safetensors(tmp_path):
     safetensors.torch.load_model(twin, str(tmp_path / "m" / "model.safetensors"))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
 
+
+
+def test_a_checkpoint_write_that_fails_for_real_leaves_the_previous_one_and_says_what_it_needs(tmp_path):
+    """A file size limit (RLIMIT_FSIZE) makes the second save fail with EFBIG, as a full disk would."""
+    script = Path(__file__).parent / "scripts" / "full_disk.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["errno"] == 27 and "file size limit" in seen["message"]
+    assert str(tmp_path / "ckpt") in seen["message"] and "bytes" in seen["message"]
+    assert seen["previous_intact"] and seen["left_in_out"] == ["ckpt"]  # no staging debris
+    # The Trainer with on_save_error="warn": both saves failed, training finished, nothing half-written.
+    assert seen["trainer_steps"] == 4 and seen["left_in_run"] == []
+    assert proc.stderr.count("was not written: a file size limit was reached") == 2

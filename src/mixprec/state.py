@@ -8,6 +8,7 @@ and precision (a precision fallback survives a resume).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import safetensors.torch
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -215,6 +217,10 @@ def save_accelerator_state(output_dir: Path, prepared: PreparedObjects, process:
             torch.save(meta, tmp / "accelerator.bin")
             for name, content in extra_files.items():
                 (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
+    except (OSError, safetensors.SafetensorError) as e:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise explain_write_error(e, final, prepared) from e
     except BaseException:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -235,6 +241,44 @@ def save_accelerator_state(output_dir: Path, prepared: PreparedObjects, process:
         pending.wait()
         D.barrier()
     return pending
+
+
+_FULL = {errno.ENOSPC: "the disk is full", errno.EFBIG: "a file size limit was reached",
+         errno.EDQUOT: "the disk quota is exhausted", errno.EIO: "the disk reported an I/O error"}
+
+
+def checkpoint_bytes(prepared: PreparedObjects) -> int:
+    """About how many bytes a checkpoint of ``prepared`` takes: its models' and optimizers' tensors."""
+    def nbytes(obj: Any) -> int:
+        if torch.is_tensor(obj):
+            t = obj.to_local() if hasattr(obj, "to_local") else obj
+            return t.numel() * t.element_size()
+        if isinstance(obj, dict):
+            return sum(nbytes(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(nbytes(v) for v in obj)
+        return 0
+    return (sum(nbytes(unwrap(m).state_dict()) for m in prepared.models)
+            + sum(nbytes(o.optimizer.state) for o in prepared.optimizers))
+
+
+def explain_write_error(error: Exception, final: Path, prepared: PreparedObjects) -> OSError:
+    """An ``OSError`` (of ``error``'s errno; safetensors' own I/O error too) that says what happened:
+    which checkpoint, why, the bytes it needs, that nothing else changed, and the fix."""
+    code = getattr(error, "errno", None)
+    if code is None and (m := re.search(r"os error (\d+)", str(error))):
+        code = int(m.group(1))
+    why = _FULL.get(code, getattr(error, "strerror", None) or str(error))
+    need = checkpoint_bytes(prepared)
+    free = ""
+    try:
+        free = f"; {shutil.disk_usage(final.parent if final.parent.exists() else '.').free:,} bytes are free there"
+    except OSError:
+        pass
+    msg = (f"the checkpoint {final} was not written: {why} ({error}). It needs about {need:,} bytes{free}. "
+           "Nothing was left behind and an earlier checkpoint there is untouched; free space (or raise the "
+           "limit) or save elsewhere, then save again")
+    return OSError(code, msg)
 
 
 class PendingSave:

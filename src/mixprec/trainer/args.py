@@ -104,7 +104,10 @@ class TrainingArguments:
     skip an optimizer step whose gradients hold inf/NaN, as fp16 does (counted in
     ``state.skipped_steps``; ~2% step time on pycode small, and one host sync per step: the
     schedule reads whether the step was applied): ``True`` on, ``None`` on where the precision has
-    it (not bf16-true yet), ``False`` (default) off. With ``precision="bf16-true"``,
+    it (not bf16-true yet), ``False`` (default) off. A checkpoint that cannot be written (a full
+    disk, a quota) leaves the previous one complete; ``on_save_error="raise"`` (default) stops the
+    run with an error naming the folder and the bytes needed, ``"warn"`` logs it and trains on to
+    the next save. With ``precision="bf16-true"``,
     ``bf16_true_compensation`` (``"kahan"``, ``"stochastic"``, ``"none"``) and
     ``bf16_true_state_dtype`` (``"fp32"``, ``"bf16"``: the moments, half the optimizer memory) are
     the Accelerator's arguments of the same names. ``report_to="jsonl"`` (the default) appends
@@ -193,6 +196,7 @@ class TrainingArguments:
     loss_scaler: dict[str, Any] | None = field(default=None)
     on_loss_scale_collapse: str = "raise"
     skip_nonfinite_steps: bool | None = False
+    on_save_error: str = "raise"
     bf16_true_compensation: str = "kahan"
     bf16_true_state_dtype: str = "fp32"
     diagnostics_steps: int = 0
@@ -302,6 +306,7 @@ class TrainingArguments:
         _one_of("optim", self.optim, _OPTIMIZERS)
         _one_of("train_sampling_strategy", self.train_sampling_strategy, _SAMPLING)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
+        _one_of("on_save_error", self.on_save_error, ("raise", "warn"))
         self.bf16_true  # noqa: B018 - validates bf16_true_compensation and bf16_true_state_dtype
         for name in ("diagnostics_steps", "drift_steps"):
             v = getattr(self, name)

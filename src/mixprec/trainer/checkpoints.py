@@ -112,6 +112,10 @@ def write_trainer_checkpoint(accelerator: Any, final: Path, model: Any, extra_fi
             if config is not None and hasattr(config, "save_pretrained"):
                 config.save_pretrained(str(stage))  # config.json: from_pretrained(checkpoint) loads the model
             commit_checkpoint(stage, final, meta=meta)
+    except OSError as e:  # name the checkpoint, not its staging folder
+        if main:
+            shutil.rmtree(stage, ignore_errors=True)
+        raise OSError(e.errno, (e.strerror or str(e)).replace(str(stage / "state"), str(final))) from e
     except BaseException:
         if main:
             shutil.rmtree(stage, ignore_errors=True)

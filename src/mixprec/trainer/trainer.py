@@ -495,7 +495,12 @@ class Trainer:
         if metrics is not None and self.args.save_strategy == "best":
             c.should_save = improved
         if c.should_save and self._done["save"] != s.global_step:
-            self._save_checkpoint(improved)
+            try:
+                self._save_checkpoint(improved)
+            except OSError as e:  # nothing was left behind; the previous checkpoint is complete
+                if self.args.on_save_error == "raise" or self._preempted_at is not None:
+                    raise
+                log.warning("mixprec: %s; training goes on to the next save (on_save_error='warn')", e)
             self._done["save"] = s.global_step
 
     def _log_training(self) -> None:
