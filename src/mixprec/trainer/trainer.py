@@ -23,11 +23,13 @@ import safetensors.torch
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
+from .. import distributed as D
 from ..accelerator import Accelerator
 from ..configs import DataLoaderConfiguration
 from ..diagnostics import precision_drift
 from ..diagnostics.monitor import DiagnosticsConfig
 from ..preemption import PREEMPTED_EXIT_CODE, Preemption
+from ..run_lock import RunLock
 from ..wrappers import original_forward
 from .args import TrainingArguments
 from .callbacks import (
@@ -286,14 +288,36 @@ class Trainer:
         if trial is not None:
             raise ValueError("trial: hyperparameter search is not supported by mixprec's Trainer")
         self._ignore_keys_for_eval = ignore_keys_for_eval
-        steps = self._training_steps(resume_from_checkpoint)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                if self._preempted_at is not None:
-                    raise SystemExit(PREEMPTED_EXIT_CODE) from None
-                return done.value
+        self.args.validate()
+        with self._output_dir_lock():
+            steps = self._training_steps(resume_from_checkpoint)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    result = done.value
+                    break
+        if self._preempted_at is not None:
+            raise SystemExit(PREEMPTED_EXIT_CODE)
+        return result
+
+    @contextlib.contextmanager
+    def _output_dir_lock(self) -> Generator[None, None, None]:
+        """Refuse, before the first step, an output_dir that cannot be written or that a live run
+        uses (the main process holds the lock; every process gets its verdict)."""
+        lock = RunLock(self.args.output_dir) if self.accelerator.is_main_process else contextlib.nullcontext()
+        error = None
+        try:
+            lock.__enter__()
+        except RuntimeError as e:
+            error = str(e)
+        error = D.broadcast_object(error)
+        if error is not None:
+            raise RuntimeError(error)
+        try:
+            yield
+        finally:
+            lock.__exit__(None, None, None)
 
     def _training_steps(self, resume_from_checkpoint: str | bool | None = None) -> Generator[int, None, TrainOutput]:
         """:meth:`train`'s loop, paused after each optimizer step (yielding ``global_step``), so a
