@@ -266,3 +266,21 @@ def test_a_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(t
     a = safetensors.torch.load_file(str(tmp_path / "full" / "final" / "model.safetensors"))
     b = safetensors.torch.load_file(str(tmp_path / "term" / "final" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_rank_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint_loadable(runs, tmp_path):
+    root, _ = runs
+    out = tmp_path / "died"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(SCRIPT), str(out), "--precision", "fp32", "--save-at", "2",
+           "--die-saving-at", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and not (out / "final.safetensors").exists()  # it really died
+    from mixprec.checkpoint import verify_checkpoint
+
+    verify_checkpoint(out / "ckpt")  # the step-2 checkpoint, whole
+    assert json.loads((out / "ckpt" / "loop.json").read_text())["step"] == 2
+    launch(tmp_path / "resumed", "--precision", "fp32", "--resume", str(out / "ckpt"))
+    full, got = weights(root / "fp32"), weights(tmp_path / "resumed")
+    assert all(torch.equal(got[k], full[k]) for k in full)

@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--compensation", default="kahan")
     ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--die-saving-at", type=int, default=-1, help="rank 1 SIGKILLs itself inside a save at this step")
     args = ap.parse_args()
     out = Path(args.out)
     scaler = {"init_scale": 2.0**10} if args.precision == "fp16" else None
@@ -95,6 +96,13 @@ def main():
         step += 1
         scales.append(acc.scaler.get_scale() if acc.scaler else None)
         skipped.append(acc.optimizer_step_was_skipped)
+        if step == args.die_saving_at:
+            if acc.process_index == 1:  # mid-save: the staging folder exists, the shards are not written
+                import signal
+
+                import mixprec.state
+                mixprec.state.save_sharded = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+            acc.save_state(out / "ckpt", extra_files={"loop.json": json.dumps({"step": step})})
         if step == args.save_at:
             acc.save_state(out / "ckpt", extra_files={"loop.json": json.dumps({"step": step})},
                            async_save=args.async_save)  # training goes on while it is written
