@@ -85,6 +85,17 @@ def test_train_killed_mid_epoch_and_resumed_equals_uninterrupted_bit_for_bit(tmp
     p = run(tmp_path / "term", "--sigterm-at", "13", code=75)
     assert "SIGTERM received; stopped after step 13" in p.stderr and (tmp_path / "term" / "checkpoint-13").is_dir()
     run(tmp_path / "term", "--resume")
+    # Each logged step is in metrics.jsonl once (the killed run had logged step 16 past checkpoint-15),
+    # with the uninterrupted run's values, and log_history agrees.
+    def rows(run):
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    def steps(run):
+        return [(r["step"], sorted(k for k in r if k not in ("train_runtime", "train_samples_per_second",
+                                                                 "train_steps_per_second"))) for r in rows(run)]
+    for other in ("killed", "crash", "term"):
+        assert steps(other) == steps("full"), other
+        assert [r.get("loss") for r in rows(other)] == [r.get("loss") for r in rows("full")], other
     a = safetensors.torch.load_file(str(tmp_path / "full" / "final.safetensors"))
     for other in ("killed", "crash", "term"):
         b = safetensors.torch.load_file(str(tmp_path / other / "final.safetensors"))

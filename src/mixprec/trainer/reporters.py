@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +84,24 @@ class JsonlLoggerCallback(TrainerCallback):
                                  for k, v in row.items()}) + "\n")
 
 
+def trim_logs_after(output_dir: str | Path, step: int) -> None:
+    """Drop the rows of ``output_dir/metrics.jsonl`` logged after ``step`` (by a run that died after
+    its last checkpoint, whose steps a resume replays), so each step is there once. Atomic."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(".metrics.jsonl.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class TensorBoardCallback(TrainerCallback):
     """Write every numeric log value to TensorBoard via ``torch.utils.tensorboard``."""
+
+    #: On a resume, the first step the new events hold: TensorBoard drops the older events from it on.
+    purge_step: int | None = None
 
     def __init__(self) -> None:
         try:
@@ -99,7 +116,7 @@ class TensorBoardCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         if self.writer is None:
-            self.writer = self._writer_cls(log_dir=str(Path(args.output_dir) / "runs"))
+            self.writer = self._writer_cls(log_dir=str(Path(args.output_dir) / "runs"), purge_step=self.purge_step)
         for k, v in logs.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 tag = k.replace("eval_", "eval/", 1) if k.startswith("eval_") else f"train/{k}"

@@ -57,6 +57,7 @@ from .reporters import (
     TensorBoardCallback,
     format_metrics,
     print_metrics,
+    trim_logs_after,
     write_metrics,
 )
 from .schedules import build_optimizer, get_scheduler
@@ -374,6 +375,11 @@ class Trainer:
             saved.compute_steps(args, max_steps)
             self.state = saved
             self._load_callback_state()
+            if acc.is_main_process:  # the steps after the checkpoint are replayed: log each once
+                trim_logs_after(args.output_dir, saved.global_step)
+                for cb in self.callback_handler.callbacks:
+                    if isinstance(cb, TensorBoardCallback):
+                        cb.purge_step = saved.global_step + 1
         self._loss_since_log = torch.tensor(self.state.loss_since_log, device=acc.device)
         self._steps_since_log = self.state.steps_since_log
         self._micro_in_step = 0
@@ -403,6 +409,8 @@ class Trainer:
                     yield self.state.global_step
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
+            if self._preempted_at is not None:  # stop as saved: no epoch-end evaluation after the checkpoint
+                break
             self._event("on_epoch_end")
             self._maybe_log_save_evaluate(model)
             if self.control.should_training_stop or self.state.global_step >= max_steps:
@@ -628,7 +636,8 @@ class Trainer:
                                                      * self.accelerator.num_processes / max(runtime, 1e-9), 3),
                    "train_steps_per_second": round(s.global_step / max(runtime, 1e-9), 3),
                    "train_loss": s.total_loss / max(1, s.global_step)}
-        self.log(metrics)
+        if self._preempted_at is None:  # a preempted run's summary would be logged past its checkpoint
+            self.log(metrics)
         self._event("on_train_end")
         return TrainOutput(s.global_step, metrics["train_loss"], metrics)
 
