@@ -16,7 +16,7 @@ import torch
 
 import mixprec.bench as bench
 from mixprec.bench import BenchConfig, run_bench
-from mixprec.bench.config import _build_job
+from mixprec.bench.config import build_job
 from mixprec.bench.runners import _TorchLoopRunner
 from mixprec.cli import main
 from mixprec.cli.bench import format_table
@@ -105,15 +105,15 @@ def test_speedup_is_the_median_of_the_per_round_ratios_and_drift_is_said_in_the_
 
     # The machine slowed 4x in round 3 while fp32 ran, and in round 2 while bf16 ran.
     rows = {"fp32": row([1.0, 1.0, 4.0], 1.0), "bf16-mixed": row([0.5, 2.0, 0.5], 0.5)}
-    bench._add_ratios(rows, "fp32")
+    bench.add_ratios(rows, "fp32")
     assert rows["fp32"]["speedup"] == 1.0
     assert rows["bf16-mixed"]["speedup"] == 2.0  # median of 2.0, 0.5 and 8.0
     assert rows["bf16-mixed"]["speedup_fastest_steps"] == 2.0
-    (note,) = bench._drift_note(rows)
+    (note,) = bench.drift_note(rows)
     assert "speed changed during the run" in note and "bf16-mixed 2.00x" in note
     steady = {"fp32": row([1.0, 1.1, 1.0], 1.0), "bf16-mixed": row([0.5, 0.5, 0.55], 0.5)}
-    bench._add_ratios(steady, "fp32")
-    assert bench._drift_note(steady) == []
+    bench.add_ratios(steady, "fp32")
+    assert bench.drift_note(steady) == []
 
 
 def test_bad_precision_name_is_an_error_that_lists_the_valid_names(capsys):
@@ -143,7 +143,7 @@ def test_precision_the_device_cannot_run_is_reported_as_skipped_with_the_reason(
             raise ValueError("precision 'bf16-true' is not supported on cpu: (a device without bf16)")
         return real(mixed_precision=mixed_precision, **kwargs)
 
-    monkeypatch.setattr(bench.runners, "Accelerator", accelerator)  # where _mixprec_runner looks it up
+    monkeypatch.setattr(bench.runners, "Accelerator", accelerator)  # where mixprec_runner looks it up
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = run_bench(BenchConfig(precisions=("fp32", "fp16-mixed", "bf16-true"), **TINY_CONFIG))
@@ -231,7 +231,7 @@ def test_the_torch_loop_and_mixprecs_trainer_train_the_same_model_on_the_same_da
 
 def test_the_torch_loop_uses_torchs_own_grad_scaler_for_fp16_and_a_bf16_cast_model_for_bf16_true():
     config = BenchConfig(**TINY_CONFIG)
-    job = _build_job(config)
+    job = build_job(config)
     fp16 = _TorchLoopRunner(job, "fp16-mixed", config, torch.device("cpu"), [])
     fp16.run_chunk(2)
     assert isinstance(fp16.scaler, torch.amp.GradScaler) and fp16.scaler.get_scale() > 0
@@ -273,7 +273,7 @@ def test_bf16_true_options_are_checked_and_the_errors_list_the_valid_values(caps
 
 def test_the_cpu_memory_probe_builds_the_rows_bf16_true_variant(monkeypatch):
     built = []
-    real = bench.memory._mixprec_runner
+    real = bench.memory.mixprec_runner
 
     def spy(job, precision, config, device, compensation=None):
         runner = real(job, precision, config, device, compensation)
@@ -284,10 +284,10 @@ def test_the_cpu_memory_probe_builds_the_rows_bf16_true_variant(monkeypatch):
         monkeypatch.setattr(sys, "stdin", io.StringIO(input))
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            bench.memory._memory_probe_main()
+            bench.memory.memory_probe_main()
         return types.SimpleNamespace(stdout=out.getvalue(), stderr="")
 
-    monkeypatch.setattr(bench.memory, "_mixprec_runner", spy)
+    monkeypatch.setattr(bench.memory, "mixprec_runner", spy)
     monkeypatch.setattr(bench.memory.subprocess, "run", in_process)
     config = BenchConfig(precisions=("bf16-true",), bf16_true_state_dtype="bf16", memory_steps=1,
                          **{**TINY_CONFIG, "memory": True})

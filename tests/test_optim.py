@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import _fused_adamw
+from mixprec import fused_adamw
 from mixprec.bf16_true import cast_for_bf16_true, fp32_modules_rule
 from mixprec.optim import SGD, AdamW, bf16_stochastic_round, make_bf16_optimizer
 
@@ -410,11 +410,11 @@ def test_state_moves_between_fused_and_foreach_updates():
 
 def test_auto_mode_compiles_only_large_cpu_buckets(monkeypatch):
     calls = []
-    real = _fused_adamw.step
-    monkeypatch.setattr(_fused_adamw, "step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fused_adamw.step
+    monkeypatch.setattr(fused_adamw, "step", lambda *a, **k: calls.append(1) or real(*a, **k))
     _run(None, steps=2)  # 1,264 elements: below the threshold, foreach
     assert calls == []
-    monkeypatch.setattr(_fused_adamw, "AUTO_MIN_NUMEL", 1000)
+    monkeypatch.setattr(fused_adamw, "AUTO_MIN_NUMEL", 1000)
     ref, _ = _run(False, steps=3)
     got, _ = _run(None, steps=3)
     assert len(calls) == 3 and all(torch.equal(p, q) for p, q in zip(ref, got))
@@ -441,7 +441,7 @@ def test_under_a_sync_or_flop_counting_mode_the_fused_update_gives_way_to_foreac
         warnings.simplefilter("error")  # no "compiling failed, using the foreach update" warning
         fused, counts = three_steps(True)
     foreach, _ = three_steps(False)
-    assert _fused_adamw.available() and counts == [0]
+    assert fused_adamw.available() and counts == [0]
     assert all(torch.equal(p, q) for p, q in zip(fused, foreach))  # fp32 moments: bit for bit
 
 
@@ -451,17 +451,17 @@ def test_a_failed_compile_falls_back_with_a_warning_or_raises_when_fused_was_ask
             raise RuntimeError("no C++ compiler found")
         return kernel
 
-    monkeypatch.setattr(_fused_adamw, "_kernels", {})
-    monkeypatch.setattr(_fused_adamw, "_kernel_for", broken)
-    monkeypatch.setattr(_fused_adamw, "_failure", None)
-    monkeypatch.setattr(_fused_adamw, "AUTO_MIN_NUMEL", 1000)
+    monkeypatch.setattr(fused_adamw, "_kernels", {})
+    monkeypatch.setattr(fused_adamw, "_kernel_for", broken)
+    monkeypatch.setattr(fused_adamw, "_failure", None)
+    monkeypatch.setattr(fused_adamw, "AUTO_MIN_NUMEL", 1000)
     with pytest.raises(RuntimeError, match="fused=None .*or fused=False"):
         _run(True, steps=1)
     ref, _ = _run(False, steps=3)
     with pytest.warns(RuntimeWarning, match="using the foreach update"):
         got, _ = _run(None, steps=3)
     assert all(torch.equal(p, q) for p, q in zip(ref, got))  # nothing half-applied: the foreach result
-    assert not _fused_adamw.available()
+    assert not fused_adamw.available()
 
 
 def test_fused_refuses_bad_values_and_non_contiguous_parameters():

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import _fused_adamw
+from . import fused_adamw
 
 __all__ = ["AdamW", "SGD", "make_bf16_optimizer", "bf16_stochastic_round", "COMPENSATIONS", "OPTIMIZER_NAMES",
            "STATE_DTYPE_NAMES"]
@@ -251,7 +251,7 @@ class AdamW(_CompensatedOptimizer):
         generator: random bits for ``"stochastic"``, on the parameters' device (saved in the
             state dict); ``None`` uses torch's default generator.
         fused: the update of bf16/fp16 weights as one compiled kernel per parameter
-            (:mod:`mixprec._fused_adamw`: weight, gradient, moments and compensation read and
+            (:mod:`mixprec.fused_adamw`: weight, gradient, moments and compensation read and
             written once) instead of ``torch._foreach_*`` ops. ``None`` (default) picks it on the
             CPU for buckets of at least 4M elements and falls back, with a warning, if compiling
             fails; ``True`` forces it (a failure to compile raises); ``False`` never. Under
@@ -293,8 +293,8 @@ class AdamW(_CompensatedOptimizer):
             return True
         # Auto: on the CPU, where it was measured faster, and for buckets large enough that the
         # one-time compile pays off within a short run.
-        return (device.type == "cpu" and _fused_adamw.available()
-                and sum(p.numel() for p in params) >= _fused_adamw.AUTO_MIN_NUMEL)
+        return (device.type == "cpu" and fused_adamw.available()
+                and sum(p.numel() for p in params) >= fused_adamw.AUTO_MIN_NUMEL)
 
     def _step_bucket(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
                      dtype: torch.dtype) -> None:
@@ -322,7 +322,7 @@ class AdamW(_CompensatedOptimizer):
         else:
             seeds = [torch.zeros((), dtype=torch.int64, device=device)] * len(params)
         state = [self.state[p] for p in params]
-        done = _fused_adamw.step(how, params, [p.grad for p in params], [s["exp_avg"] for s in state],
+        done = fused_adamw.step(how, params, [p.grad for p in params], [s["exp_avg"] for s in state],
                                  [s["exp_avg_sq"] for s in state], comps, hypers, seeds, required=bool(self.fused))
         if not done:
             for p in fresh:  # leave the state as the foreach update expects to find it

@@ -8,7 +8,7 @@ from pathlib import Path
 __all__ = ["plot_loss_curves", "plot_loss_scale"]
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
     except ImportError as e:  # matplotlib is the `plot` extra
@@ -19,7 +19,7 @@ def _pyplot():
     return plt
 
 
-def _save(fig, ax, path: str | Path, *, title: str, xlabel: str, ylabel: str, legend: dict | None = None,
+def save_figure(fig, ax, path: str | Path, *, title: str, xlabel: str, ylabel: str, legend: dict | None = None,
           grid: dict | None = None) -> Path:
     """Label, lay out and write a figure: every plot here is titled, with labelled axes and a legend."""
     ax.set_xlabel(xlabel)
@@ -30,7 +30,7 @@ def _save(fig, ax, path: str | Path, *, title: str, xlabel: str, ylabel: str, le
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -45,7 +45,7 @@ def plot_loss_curves(train: Mapping[str, Sequence[tuple[int, float]]], path: str
         evaluation: run name -> ``(step, eval loss)`` points, drawn as markers.
         title: the figure's title.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     colors = {}
     for name, points in train.items():
@@ -57,7 +57,7 @@ def plot_loss_curves(train: Mapping[str, Sequence[tuple[int, float]]], path: str
         if points:
             steps, losses = zip(*points)
             ax.plot(steps, losses, "o--", color=colors.get(name), label=f"{name} (validation)", markersize=5)
-    return _save(fig, ax, path, title=title, xlabel="optimizer step", ylabel="cross-entropy loss (nats per byte)")
+    return save_figure(fig, ax, path, title=title, xlabel="optimizer step", ylabel="cross-entropy loss (nats per byte)")
 
 
 def plot_loss_scale(history: Sequence[tuple[int, float, bool]], path: str | Path, *,
@@ -69,7 +69,7 @@ def plot_loss_scale(history: Sequence[tuple[int, float, bool]], path: str | Path
         path: the PNG to write.
         title: the figure's title.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4), dpi=110)
     if history:
         steps, scales, skipped = zip(*history)
@@ -80,4 +80,4 @@ def plot_loss_scale(history: Sequence[tuple[int, float, bool]], path: str | Path
         else:
             ax.plot([], [], " ", label="no step skipped")
     ax.set_yscale("log", base=2)
-    return _save(fig, ax, path, title=title, xlabel="optimizer step", ylabel="loss scale (log2)", grid={"which": "both"})
+    return save_figure(fig, ax, path, title=title, xlabel="optimizer step", ylabel="loss scale (log2)", grid={"which": "both"})

@@ -26,10 +26,10 @@ through Hugging Face Accelerate's ``Accelerator``, interleaved with the others (
 from __future__ import annotations
 
 from .config import COMPARE_NAMES, DEFAULT_PRECISIONS, BenchConfig
-from .core import _add_ratios as _add_ratios
-from .core import _drift_note as _drift_note
+from .core import add_ratios as add_ratios
+from .core import drift_note as drift_note
 from .core import run_bench
-from .memory import _memory_probe_main as _memory_probe_main  # run by the CPU memory probe's subprocess
+from .memory import memory_probe_main as memory_probe_main  # run by the CPU memory probe's subprocess
 from .syncs import HostSyncs, SyncEvent, count_host_syncs, host_side_tensors
 
 __all__ = ["BenchConfig", "run_bench", "DEFAULT_PRECISIONS", "COMPARE_NAMES",

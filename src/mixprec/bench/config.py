@@ -153,7 +153,7 @@ def _check_int(name: str, value: Any, low: int) -> None:
 
 # -- the job ------------------------------------------------------------------------------------
 @dataclasses.dataclass(kw_only=True)
-class _Job:
+class Job:
     name: str
     build_model: Callable[[], torch.nn.Module]
     train: Any
@@ -171,7 +171,7 @@ class _Job:
         return [b for _, b in zip(range(config.eval_batches), dl)]
 
 
-def _build_job(config: BenchConfig) -> _Job:
+def build_job(config: BenchConfig) -> Job:
     from ..tasks import PYCODE_SIZES, get_task, load_factory
 
     if config.model is not None:
@@ -184,7 +184,7 @@ def _build_job(config: BenchConfig) -> _Job:
         # Whole batches by tensor indexing where the data allows it (the Trainer's batched fetch).
         fast = [prepare_dataset(d, probe, remove_unused_columns=False, label_names=[], custom_collator=False)
                 for d in (train, evals)]
-        job = _Job(name=config.model, build_model=model_factory, train=fast[0], eval=fast[1], collate_fn=collate,
+        job = Job(name=config.model, build_model=model_factory, train=fast[0], eval=fast[1], collate_fn=collate,
                    description=f"{config.model} on {config.data}" + ("" if evals is not train else
                                                                       " (eval loss on the training data)"))
     elif config.task == "pycode":
@@ -195,11 +195,11 @@ def _build_job(config: BenchConfig) -> _Job:
         steps = 3 + config.warmup + config.rounds * config.steps + config.memory_steps
         task = get_task("pycode", size, max_bytes=min(4_000_000, max(steps, 8) * config.batch_size * block + block),
                         eval_max_bytes=(config.eval_batches * config.batch_size + 1) * block)
-        job = _Job(name=task.name, build_model=task.build_model, train=task.train_dataset, eval=task.eval_dataset,
+        job = Job(name=task.name, build_model=task.build_model, train=task.train_dataset, eval=task.eval_dataset,
                    collate_fn=task.collate_fn, description=task.description)
     else:
         task = get_task("digits", arch=config.arch)
-        job = _Job(name=task.name, build_model=task.build_model, train=task.train_dataset, eval=task.eval_dataset,
+        job = Job(name=task.name, build_model=task.build_model, train=task.train_dataset, eval=task.eval_dataset,
                    collate_fn=task.collate_fn, description=task.description)
     if len(job.train) < config.batch_size:
         raise ValueError(f"the training set has {len(job.train)} samples, fewer than batch_size={config.batch_size}; "
@@ -207,7 +207,7 @@ def _build_job(config: BenchConfig) -> _Job:
     return job
 
 
-def _loss_of(out: Any) -> torch.Tensor:
+def loss_of(out: Any) -> torch.Tensor:
     loss = out if isinstance(out, torch.Tensor) else out["loss"] if isinstance(out, Mapping) else getattr(out, "loss", None)
     if loss is None:
         raise TypeError(f"the model returned {type(out).__name__} without a loss; its forward must return .loss, "
@@ -215,6 +215,6 @@ def _loss_of(out: Any) -> torch.Tensor:
     return loss
 
 
-def _tokens_per_sample(batch: Any) -> int | None:
+def tokens_per_sample(batch: Any) -> int | None:
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None

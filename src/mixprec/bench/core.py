@@ -18,18 +18,18 @@ from ..data import send_to_device
 from ..hardware import default_device, detect_capability
 from ..precision import PrecisionPerformanceWarning, policy_for
 from ..trainer.outputs import call_model
-from .config import DEFAULT_PRECISIONS, BenchConfig, _build_job, _Job, _loss_of, _tokens_per_sample
-from .measure import _dtype_name, _matmul_peak, _profile_step
-from .memory import _measure_memory
+from .config import DEFAULT_PRECISIONS, BenchConfig, Job, build_job, loss_of, tokens_per_sample
+from .measure import dtype_name, matmul_peak, profile_step
+from .memory import measure_memory
 from .runners import (
-    _RIVAL_FACTORIES,
-    _RIVALS,
-    _compare_precision,
-    _hf_missing,
-    _mixprec_runner,
-    _reset_hf_state,
-    _Runner,
-    _TrainerRunner,
+    RIVAL_FACTORIES,
+    RIVALS,
+    Runner,
+    TrainerRunner,
+    compare_precision,
+    hf_missing,
+    mixprec_runner,
+    reset_hf_state,
 )
 
 __all__ = ["run_bench"]
@@ -47,7 +47,7 @@ def _eval_loss(model: torch.nn.Module, batches: list[Any], device: torch.device,
         for batch in batches:
             n = len(next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0])
             batch = send_to_device(batch, device, float_dtype=float_dtype)
-            total += float(_loss_of(call_model(model, batch, model)).float()) * n
+            total += float(loss_of(call_model(model, batch, model)).float()) * n
             count += n
     model.train(was_training)
     return total / max(count, 1)
@@ -97,7 +97,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         config = dataclasses.replace(config, precisions=tuple(p for p in DEFAULT_PRECISIONS
                                                               if p not in cap.impractical))
     try:
-        job = _build_job(config)
+        job = build_job(config)
     except (ImportError, AttributeError, TypeError) as exc:  # load_factory's, naming the spec and the fix
         raise ValueError(f"cannot build the task: {exc}") from exc
     notes = left_out + [f"{p} is emulated here: {cap.reasons[p]}" for p in config.precisions
@@ -108,38 +108,38 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # said once, in the notes
         for name, row in _mixprec_rows(config):
             rows[name] = row
-            _start(row, runners, name, lambda row=row: _mixprec_runner(job, row["precision"], config, device,
+            _start(row, runners, name, lambda row=row: mixprec_runner(job, row["precision"], config, device,
                                                                        row.get("compensation")), device, config)
         for c in config.compare:
-            precision = _compare_precision(config.precisions, c)
-            name = f"{_RIVALS[c]} {precision}"
-            rows[name] = {"runner": _RIVALS[c], "precision": precision}
-            if _hf_missing(c):
-                _skip(rows[name], _hf_missing(c))
+            precision = compare_precision(config.precisions, c)
+            name = f"{RIVALS[c]} {precision}"
+            rows[name] = {"runner": RIVALS[c], "precision": precision}
+            if hf_missing(c):
+                _skip(rows[name], hf_missing(c))
                 continue
             _start(rows[name], runners, name,
-                   lambda c=c, p=precision: _RIVAL_FACTORIES[c](job, p, config, device, notes), device, config)
+                   lambda c=c, p=precision: RIVAL_FACTORIES[c](job, p, config, device, notes), device, config)
         size = config.matmul_size or (2048 if device.type == "cpu" else 4096)
         dtypes = sorted({torch.float32} | {policy_for(r["precision"]).compute_dtype for r in rows.values()}, key=str)
         try:
             profiles, round_peaks = _run_rounds(rows, runners, job, config, device,
-                                                lambda: _matmul_peak(device, dtypes, size))
+                                                lambda: matmul_peak(device, dtypes, size))
         finally:
             for runner in runners.values():
                 runner.finish()
-            _reset_hf_state()
-        memory_method = _measure_memory(rows, runners, config, device)
+            reset_hf_state()
+        memory_method = measure_memory(rows, runners, config, device)
     peaks = {k: max(p[k] for p in round_peaks) for k in round_peaks[0]}
     sample = next(iter(DataLoader(job.train, batch_size=config.batch_size, collate_fn=job.collate_fn)))
-    tokens = _tokens_per_sample(sample)
+    tokens = tokens_per_sample(sample)
     for name, runner in runners.items():
         _finish_row(rows[name], runner, config, round_peaks, rows, tokens)
     baseline = "fp32" if rows.get("fp32", {}).get("status") == "ok" else next(
         (n for n, r in rows.items() if r.get("status") == "ok" and r["runner"] == "mixprec"), None)
     if baseline not in (None, "fp32"):
         notes.append(f"fp32 was not measured: speed-ups and loss differences are against {baseline}")
-    _add_ratios(rows, baseline)
-    notes += _drift_note(rows)
+    add_ratios(rows, baseline)
+    notes += drift_note(rows)
     notes += [f"{n} trains with {r['optimizer']}: the Accelerator's replacement for the fused torch AdamW"
               for n, r in rows.items() if r.get("status") == "ok" and r["runner"] == "mixprec"
               and r["optimizer"] != "torch.optim.AdamW (fused)"]
@@ -206,7 +206,7 @@ def _start(row: dict[str, Any], runners: dict[str, Any], name: str, build: Calla
     runner = None
     try:
         runner = build()
-        if isinstance(runner, _Runner):  # Hugging Face's Trainer warms up in its own run (_run_rounds)
+        if isinstance(runner, Runner):  # Hugging Face's Trainer warms up in its own run (_run_rounds)
             row["flops_per_step"] = runner.count_flops()
             runner.run_chunk(config.warmup)
             row["host_syncs_per_step"] = runner.count_syncs()  # after the warm-up: steady state
@@ -223,7 +223,7 @@ def _start(row: dict[str, Any], runners: dict[str, Any], name: str, build: Calla
     runners[name] = runner
 
 
-def _run_rounds(rows: dict[str, dict[str, Any]], runners: dict[str, Any], job: _Job, config: BenchConfig,
+def _run_rounds(rows: dict[str, dict[str, Any]], runners: dict[str, Any], job: Job, config: BenchConfig,
                 device: torch.device, peak: Callable[[], dict[str, float]]) -> tuple[dict[str, Any], list[dict]]:
     """The interleaved rounds, each ending with a matmul-peak measurement (so the peak drifts with
     the steps it is compared to); then each contestant's eval loss and (if asked) a profiled step."""
@@ -231,7 +231,7 @@ def _run_rounds(rows: dict[str, dict[str, Any]], runners: dict[str, Any], job: _
 
     def play_round(r: int) -> None:
         for name, runner in list(runners.items()):
-            if isinstance(runner, _Runner):
+            if isinstance(runner, Runner):
                 try:
                     runner.run_chunk(config.steps)
                 except Exception as exc:  # one contestant failing must not lose the others' numbers
@@ -240,7 +240,7 @@ def _run_rounds(rows: dict[str, dict[str, Any]], runners: dict[str, Any], job: _
         peaks.append(peak())
         played.append(r)
 
-    trainer = next(((n, r) for n, r in runners.items() if isinstance(r, _TrainerRunner)), None)
+    trainer = next(((n, r) for n, r in runners.items() if isinstance(r, TrainerRunner)), None)
     if trainer is not None:
         try:
             trainer[1].train(config, play_round)
@@ -252,7 +252,7 @@ def _run_rounds(rows: dict[str, dict[str, Any]], runners: dict[str, Any], job: _
     eval_set = job.eval_batches(config)
     for name, runner in runners.items():
         rows[name]["eval_loss"] = _eval_loss(runner.model, eval_set, device, getattr(runner, "input_dtype", None))
-    profiles = {n: _profile_step(r, device) for n, r in runners.items()
+    profiles = {n: profile_step(r, device) for n, r in runners.items()
                 if config.profile and rows[n]["runner"] == "mixprec"}
     return profiles, peaks
 
@@ -266,7 +266,7 @@ def _finish_row(row: dict[str, Any], runner: Any, config: BenchConfig, round_pea
     row.update(step_time_s=median, step_time_per_round_s=per_round, step_time_min_s=min(runner.times),
                round_spread=max(per_round) / min(per_round), step_times_s=list(runner.times),
                samples_per_s=samples, tokens_per_s=samples * tokens if tokens else None,
-               compute_dtype=_dtype_name(policy_for(row["precision"]).compute_dtype))
+               compute_dtype=dtype_name(policy_for(row["precision"]).compute_dtype))
     if not row.get("flops_per_step"):  # a compare row: the same job's FLOPs, counted on our run
         row["flops_per_step"] = rows.get(row["precision"], {}).get("flops_per_step")
     flops = row["flops_per_step"]
@@ -282,7 +282,7 @@ def _round_ratio(base: dict[str, Any], row: dict[str, Any]) -> float:
     return statistics.median(b / t for b, t in zip(base["step_time_per_round_s"], row["step_time_per_round_s"]))
 
 
-def _add_ratios(rows: dict[str, dict[str, Any]], baseline: str | None) -> None:
+def add_ratios(rows: dict[str, dict[str, Any]], baseline: str | None) -> None:
     base = rows.get(baseline, {}) if baseline else {}
     loop = next((r for r in rows.values() if r["runner"] == "torch-loop" and r.get("status") == "ok"), None)
     for row in rows.values():
@@ -302,7 +302,7 @@ def _add_ratios(rows: dict[str, dict[str, Any]], baseline: str | None) -> None:
             row["throughput_vs_torch_loop"] = _round_ratio(loop, row)
 
 
-def _drift_note(rows: dict[str, dict[str, Any]], tolerance: float = 1.25) -> list[str]:
+def drift_note(rows: dict[str, dict[str, Any]], tolerance: float = 1.25) -> list[str]:
     """A warning, in words, when the machine's speed changed so much between rounds that the
     interleaving cannot cancel it (other work on a shared machine comes and goes in bursts)."""
     ok = {n: r for n, r in rows.items() if r.get("status") == "ok"}

@@ -14,7 +14,7 @@ import torch
 from torch.utils import flop_counter
 
 
-class _Clock:
+class Clock:
     """Step-end marks; on CUDA as events, so timing a step never waits for the device."""
 
     def __init__(self, device: torch.device) -> None:
@@ -53,14 +53,14 @@ def _sdpa_cpu_backward(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> in
 
 
 # torch counts the CUDA attention kernels but not the CPU one; count it the same way.
-_CPU_SDPA_FLOPS = {
+CPU_SDPA_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
 }
 
 
 # -- the device's matrix-product peak -----------------------------------------------------------
-def _matmul_peak(device: torch.device, dtypes: list[torch.dtype], n: int) -> dict[str, float]:
+def matmul_peak(device: torch.device, dtypes: list[torch.dtype], n: int) -> dict[str, float]:
     """Best-of-3 TFLOP/s of an ``n x n @ n x n`` product in each dtype."""
     inner = 1 if device.type == "cpu" else 10  # enough work between syncs on a fast device
     peaks = {}
@@ -75,11 +75,11 @@ def _matmul_peak(device: torch.device, dtypes: list[torch.dtype], n: int) -> dic
                 torch.mm(a, b)
             _sync(device)
             best = min(best, (time.perf_counter() - t0) / inner)
-        peaks[_dtype_name(dtype)] = 2 * n**3 / best / 1e12
+        peaks[dtype_name(dtype)] = 2 * n**3 / best / 1e12
     return peaks
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -101,7 +101,7 @@ def _quiet_stderr() -> Any:
         os.close(saved)
 
 
-def _profile_step(runner: Any, device: torch.device, rows: int = 15) -> dict[str, Any]:
+def profile_step(runner: Any, device: torch.device, rows: int = 15) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

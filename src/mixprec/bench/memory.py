@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ..precision import PrecisionPerformanceWarning
-from .config import BenchConfig, _build_job
-from .runners import _mixprec_runner
+from .config import BenchConfig, build_job
+from .runners import mixprec_runner
 
 
 # -- memory -------------------------------------------------------------------------------------
@@ -45,7 +45,7 @@ def _tensor_peak_bytes(prof: Any) -> int | None:
     return peak
 
 
-def _memory_probe_main() -> None:
+def memory_probe_main() -> None:
     """Run in a fresh process: the peak tensor memory (allocations seen by torch's profiler) and the
     peak RSS growth of building one precision's model and optimizer and training it (CPU)."""
     import resource
@@ -55,7 +55,7 @@ def _memory_probe_main() -> None:
     request = json.loads(sys.stdin.read())
     config = BenchConfig(**request["config"])
     warnings.simplefilter("ignore", PrecisionPerformanceWarning)
-    job = _build_job(config)
+    job = build_job(config)
     try:  # Linux: writing 5 resets the peak (VmHWM) to the current RSS
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")
@@ -66,7 +66,7 @@ def _memory_probe_main() -> None:
     if base is None:  # the peak so far is a floor: the growth is then a lower bound
         base, method = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit, "ru_maxrss, a lower bound"
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        runner = _mixprec_runner(job, request["precision"], config, torch.device("cpu"), request["compensation"])
+        runner = mixprec_runner(job, request["precision"], config, torch.device("cpu"), request["compensation"])
         runner.run_chunk(config.memory_steps)
     peak = _proc_status_bytes("VmHWM") if method == "VmHWM" else None
     peak = peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
@@ -76,12 +76,12 @@ def _memory_probe_main() -> None:
 
 def _cpu_peak_memory(config: BenchConfig, row: dict[str, Any]) -> tuple[int | None, int | None, str]:
     """``(tensor bytes, RSS bytes, how)`` of the row's variant (precision, bf16-true compensation)
-    from :func:`_memory_probe_main` in a fresh process; ``(None, None, why)`` if it failed."""
+    from :func:`memory_probe_main` in a fresh process; ``(None, None, why)`` if it failed."""
     request = json.dumps({"config": dataclasses.asdict(config), "precision": row["precision"],
                           "compensation": row.get("compensation")})
     # The same imports as here (a user's factory module found through sys.path included).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    code = "from mixprec.bench import _memory_probe_main; _memory_probe_main()"
+    code = "from mixprec.bench import memory_probe_main; memory_probe_main()"
     try:
         proc = subprocess.run([sys.executable, "-c", code], input=request, capture_output=True, text=True,
                               env=env, timeout=1800)
@@ -96,7 +96,7 @@ def _cpu_peak_memory(config: BenchConfig, row: dict[str, Any]) -> tuple[int | No
         return None, None, f"the memory measurement failed: {last}"
 
 
-def _measure_memory(rows: dict[str, dict[str, Any]], runners: dict[str, Any], config: BenchConfig,
+def measure_memory(rows: dict[str, dict[str, Any]], runners: dict[str, Any], config: BenchConfig,
                     device: torch.device) -> str:
     """Peak memory per mixprec row on the CPU (CUDA's was taken in :func:`_start`); says how."""
     if not config.memory:

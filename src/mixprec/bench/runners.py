@@ -22,13 +22,13 @@ from ..data import send_to_device
 from ..precision import policy_for
 from ..trainer import PrinterCallback
 from ..trainer.outputs import call_model
-from .config import BenchConfig, _Job, _loss_of
-from .measure import _CPU_SDPA_FLOPS, _Clock
+from .config import BenchConfig, Job, loss_of
+from .measure import CPU_SDPA_FLOPS, Clock
 from .syncs import count_host_syncs, host_side_tensors
 
 
 # -- one contestant: a training loop we can run a chunk of steps at a time ----------------------
-class _Runner:
+class Runner:
     """A contestant that trains a chunk of steps at a time; ``step()`` is one optimizer step."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
@@ -43,7 +43,7 @@ class _Runner:
         raise NotImplementedError
 
     def run_chunk(self, n: int) -> None:
-        clock = _Clock(self.device)
+        clock = Clock(self.device)
         clock.mark()
         for _ in range(n):
             self.losses.append(self.step())
@@ -63,7 +63,7 @@ class _Runner:
 
     def count_flops(self) -> int:
         """One training step with its forward and backward FLOPs counted (a real step, untimed)."""
-        counter = flop_counter.FlopCounterMode(display=False, custom_mapping=_CPU_SDPA_FLOPS)
+        counter = flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS)
         with warnings.catch_warnings():
             # The counter's module hooks are global; a compiled model warns they fire twice. The
             # count is unaffected (it counts operators, not hook calls).
@@ -75,7 +75,7 @@ class _Runner:
         pass
 
 
-class _LoopRunner(_Runner):
+class _LoopRunner(Runner):
     """The user's loop through an Accelerator (ours, or Hugging Face's: the API is the same)."""
 
     def __init__(self, acc: Any, model: torch.nn.Module, opt: Any, dl: Any, device: torch.device) -> None:
@@ -96,7 +96,7 @@ class _LoopRunner(_Runner):
     def step(self, flops: flop_counter.FlopCounterMode | None = None) -> torch.Tensor:
         batch = self._next()
         with flops if flops is not None else contextlib.nullcontext():
-            loss = _loss_of(call_model(self.model, batch, self.model))
+            loss = loss_of(call_model(self.model, batch, self.model))
             self.acc.backward(loss)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -110,7 +110,7 @@ def _adamw(params: Any, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=True)
 
 
-def _mixprec_runner(job: _Job, precision: str, config: BenchConfig, device: torch.device,
+def mixprec_runner(job: Job, precision: str, config: BenchConfig, device: torch.device,
                     compensation: str | None = None) -> _LoopRunner:
     """The Accelerator's loop; ``compensation`` picks bf16-true's update (default: the config's first)."""
     acc = Accelerator(mixed_precision=precision, cpu=device.type == "cpu", compile=config.compile,
@@ -142,7 +142,7 @@ class _TorchLoopRunner(_LoopRunner):
     """The loop a user writes with torch alone: ``torch.autocast`` (plus ``torch.amp.GradScaler``
     for fp16), or for bf16-true the model cast to bf16 and torch's AdamW, uncompensated."""
 
-    def __init__(self, job: _Job, precision: str, config: BenchConfig, device: torch.device,
+    def __init__(self, job: Job, precision: str, config: BenchConfig, device: torch.device,
                  notes: list[str]) -> None:
         torch.manual_seed(config.seed)
         # What the policy says, written out as a torch user would: no mixprec plugin here.
@@ -161,7 +161,7 @@ class _TorchLoopRunner(_LoopRunner):
         autocast = torch.autocast(self.device.type, dtype=self._dtype) if self._dtype else contextlib.nullcontext()
         with flops if flops is not None else contextlib.nullcontext():
             with autocast:
-                loss = _loss_of(call_model(self.model, batch, self.model))
+                loss = loss_of(call_model(self.model, batch, self.model))
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         if self.scaler is not None:
             self.scaler.step(self.opt)
@@ -172,11 +172,11 @@ class _TorchLoopRunner(_LoopRunner):
         return loss.detach()
 
 
-class _MixprecTrainerRunner(_Runner):
+class _MixprecTrainerRunner(Runner):
     """mixprec's :class:`~mixprec.Trainer`, stepped through its loop's generator
     (``Trainer._training_steps``), on the bench's dataloader (prepared by its own Accelerator)."""
 
-    def __init__(self, job: _Job, precision: str, config: BenchConfig, device: torch.device,
+    def __init__(self, job: Job, precision: str, config: BenchConfig, device: torch.device,
                  notes: list[str]) -> None:
         from ..trainer import Trainer, TrainingArguments
 
@@ -239,7 +239,7 @@ _HF_PRECISIONS = ("bf16-mixed", "fp16-mixed", "fp32")  # what Hugging Face offer
 _ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16"}
 
 
-def _compare_precision(precisions: tuple[str, ...], name: str = "hf") -> str:
+def compare_precision(precisions: tuple[str, ...], name: str = "hf") -> str:
     """The precision contestant ``name`` runs at: bf16-mixed where benchmarked (Hugging Face's
     ``bf16=True``), else the first benchmarked one it offers too (bf16-true last, and only for the
     torch loop and mixprec's Trainer: Hugging Face has none); bf16-mixed when none is."""
@@ -247,7 +247,7 @@ def _compare_precision(precisions: tuple[str, ...], name: str = "hf") -> str:
     return next((p for p in offered if p in precisions), "bf16-mixed")
 
 
-def _hf_missing(name: str) -> str:
+def hf_missing(name: str) -> str:
     if name not in ("hf", "accelerate"):
         return ""
     needed = ("transformers", "accelerate") if name == "hf" else ("accelerate",)
@@ -255,7 +255,7 @@ def _hf_missing(name: str) -> str:
     return f"{' and '.join(missing)} not installed (pip install {' '.join(missing)})" if missing else ""
 
 
-def _accelerate_runner(job: _Job, precision: str, config: BenchConfig, device: torch.device,
+def _accelerate_runner(job: Job, precision: str, config: BenchConfig, device: torch.device,
                        notes: list[str]) -> _LoopRunner:
     import accelerate
 
@@ -272,20 +272,20 @@ def _accelerate_runner(job: _Job, precision: str, config: BenchConfig, device: t
     return runner
 
 
-class _TrainerRunner:
+class TrainerRunner:
     """The Hugging Face Trainer as a contestant. ``train()`` cannot be paused, so it drives: a
     callback runs the other contestants' round after each of its chunks of steps. (Not a thread:
     on the CPU a second thread running torch gets its own OpenMP team, and from then on every
     step in the process, ours too, ran 2-3x slower in our measurements.)"""
 
-    def __init__(self, job: _Job, precision: str, config: BenchConfig, device: torch.device,
+    def __init__(self, job: Job, precision: str, config: BenchConfig, device: torch.device,
                  notes: list[str]) -> None:
         import transformers
 
         self.device, self.times, self.losses = device, [], []
         self.optimizer = "optim='adamw_torch_fused'"
         self._chunks: list[tuple[int, Callable[[], None]]] = []
-        self._left, self._clock = 0, _Clock(device)
+        self._left, self._clock = 0, Clock(device)
         torch.manual_seed(config.seed)
         self.model = job.build_model()
         if dataclasses.is_dataclass(getattr(self.model, "config", None)):
@@ -322,11 +322,11 @@ class _TrainerRunner:
 
     def _record_loss(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if module.training:
-            self.losses.append(_loss_of(output).detach())
+            self.losses.append(loss_of(output).detach())
 
     def _next_chunk(self) -> None:
         self._left = self._chunks[0][0] if self._chunks else -1
-        self._clock = _Clock(self.device)
+        self._clock = Clock(self.device)
         self._clock.mark()
 
     def _step_end(self) -> None:
@@ -355,12 +355,12 @@ class _TrainerRunner:
 
 
 # Each --compare name: its row's label, and what builds it (job, precision, config, device, notes).
-_RIVALS = {"torch": "torch-loop", "trainer": "mixprec-trainer", "hf": "hf-trainer", "accelerate": "accelerate"}
-_RIVAL_FACTORIES = {"torch": _TorchLoopRunner, "trainer": _MixprecTrainerRunner, "hf": _TrainerRunner,
+RIVALS = {"torch": "torch-loop", "trainer": "mixprec-trainer", "hf": "hf-trainer", "accelerate": "accelerate"}
+RIVAL_FACTORIES = {"torch": _TorchLoopRunner, "trainer": _MixprecTrainerRunner, "hf": TrainerRunner,
                     "accelerate": _accelerate_runner}
 
 
-def _reset_hf_state() -> None:
+def reset_hf_state() -> None:
     # Accelerate keeps one process-wide state ("Borg"); clear it so a later run may differ.
     state = sys.modules.get("accelerate.state")
     for cls, args in (("AcceleratorState", (True,)), ("GradientState", ())):

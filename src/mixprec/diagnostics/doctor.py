@@ -57,7 +57,7 @@ class DoctorConfig:
             raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
 
 
-def _loss_of(outputs: Any) -> torch.Tensor:
+def loss_of(outputs: Any) -> torch.Tensor:
 
     loss = extract_loss(outputs)
     if loss is None:
@@ -84,7 +84,7 @@ def _probe(precision: str, build_model: Callable[[], torch.nn.Module], dataset: 
             it = iter(dl)
             continue
         outputs = call_model(model, batch, model)
-        loss = _loss_of(outputs)
+        loss = loss_of(outputs)
         acc.backward(loss)
         stats.observe(step, grads_are_scaled_by=acc.scaler)  # before unscaling: they carry the scale
         opt.step()

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..plots import _pyplot, _save
+from ..plots import pyplot, save_figure
 from .limits import FORMAT_LIMITS
 
 __all__ = ["plot_gradient_histogram", "plot_layer_underflow"]
@@ -31,7 +31,7 @@ def plot_gradient_histogram(probe: dict[str, Any], path: str | Path, *, scale: f
     The fp16 subnormal band, its flush-to-zero threshold and its overflow limit are marked; bf16
     shares fp32's exponent range, which reaches far past both ends of the plot.
     """
-    plt = _pyplot()
+    plt = pyplot()
     edges = probe["hist_edges"]
     lo, hi = edges[0], edges[-1]
     # Bin i covers (2**(x-1), 2**x]: draw it at its upper edge; the end bins hold everything beyond.
@@ -56,7 +56,7 @@ def plot_gradient_histogram(probe: dict[str, Any], path: str | Path, *, scale: f
                 "both ends lie far outside this plot", xy=(0.02, 0.97), xycoords="axes fraction", va="top", fontsize=8,
                 bbox={"boxstyle": "round", "fc": "white", "ec": "0.7"})
     ax.set_xlim(lo - 1, hi + 2)
-    return _save(fig, ax, path, title=title, xlabel="log2 |gradient value|", ylabel="fraction of gradient values",
+    return save_figure(fig, ax, path, title=title, xlabel="log2 |gradient value|", ylabel="fraction of gradient values",
                  legend={"loc": "upper center", "bbox_to_anchor": (0.5, -0.14), "ncol": 3, "fontsize": 8})
 
 
@@ -64,7 +64,7 @@ def plot_layer_underflow(layers: list[dict[str, Any]], path: str | Path, *, scal
                          max_layers: int = 25) -> Path:
     """Per layer, the fraction of gradient values fp16 would flush to zero (with and without the
     loss scale) and bf16 would, as horizontal bars: the worst layers first."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = sorted(layers, key=lambda r: -max(r["fp16_flush"], r["fp16_flush_at_scale"]))[:max_layers][::-1]
     names = [r["module"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.38 * max(len(rows), 1)), dpi=110)
@@ -81,5 +81,5 @@ def plot_layer_underflow(layers: list[dict[str, Any]], path: str | Path, *, scal
                 ax.text(v, i + offset, f" {v:.2%}", va="center", fontsize=7)
     ax.set_yticks(list(y), names, fontsize=8)
     ax.set_xlim(0, max(0.01, top * 1.3))
-    return _save(fig, ax, path, title=title, xlabel="fraction of the layer's gradient values flushed to zero (worst step)",
+    return save_figure(fig, ax, path, title=title, xlabel="fraction of the layer's gradient values flushed to zero (worst step)",
                  ylabel="layer (module path)", legend={"loc": "lower right", "fontsize": 8}, grid={"axis": "x"})
