@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import distributed as D
+from .process_api import ProcessAPI
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState"]
 
@@ -40,9 +40,11 @@ class _State:
                              "called and an `Accelerator` was not reinitialized: build a new Accelerator")
 
 
-class AcceleratorState(_State):
+class AcceleratorState(_State, ProcessAPI):
     """Who this process is and the run's precision: ``num_processes``, ``process_index``,
-    ``local_process_index``, ``device``, ``distributed_type``, ``mixed_precision``, ``backend``."""
+    ``local_process_index``, ``device``, ``distributed_type``, ``mixed_precision``, ``backend``,
+    and, like Accelerate's, the process helpers (``is_main_process``, ``wait_for_everyone``,
+    ``on_main_process``, ...)."""
 
     def __init__(self, accelerator: Any, device: torch.device) -> None:
         p = accelerator._process
@@ -63,24 +65,8 @@ class AcceleratorState(_State):
         return self._accelerator.mixed_precision
 
     @property
-    def is_main_process(self) -> bool:
-        return self.process_index == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.local_process_index == 0
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.process_index == self.num_processes - 1
-
-    @property
     def use_distributed(self) -> bool:
         return self.distributed_type != DistributedType.NO
-
-    def wait_for_everyone(self) -> None:
-        """A barrier across processes (a no-op in one process)."""
-        D.barrier()
 
     def destroy_process_group(self, group: Any = None) -> None:
         """Release the process group, if several processes ran (a one-process group is left alone)."""
