@@ -133,14 +133,13 @@ def shard_model(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin, 
     from torch.distributed.fsdp import fully_shard
 
     blocks = blocks_to_shard(model, plugin)
-    if plugin.activation_checkpointing:
+    if plugin.activation_checkpointing and blocks:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
         ids = {id(b) for b in blocks}
         apply_activation_checkpointing(model, check_fn=lambda m: id(m) in ids)
-        blocks = blocks_to_shard(model, plugin) if not ids else [
-            m for m in model.modules() if getattr(m, "_checkpoint_wrapped_module", None) is not None
-            and id(m._checkpoint_wrapped_module) in ids]
+        # each block is now inside its checkpoint wrapper: shard the wrappers
+        blocks = [m for m in model.modules() if id(getattr(m, "_checkpoint_wrapped_module", None)) in ids]
     for block in blocks:
         fully_shard(block, mp_policy=mp_policy, reshard_after_forward=plugin.reshard_after_forward)
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=plugin.reshard_after_forward)
