@@ -123,9 +123,25 @@ def test_a_checkpoint_of_one_process_resumes_sharded_on_two(runs, tmp_path):
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_true_trains_sharded_with_the_plain_optimizer(tmp_path):
-    res = launch(tmp_path, "--precision", "bf16-true", "--compensation", "none")
+def test_bf16_true_with_kahan_on_shards_tracks_fp32_and_resumes_bit_for_bit(runs, tmp_path):
+    """The compensated optimizer steps each rank's local shards; its buffers are sharded
+    DTensors, so the DCP checkpoint holds and restores them."""
+    _, r = runs
+    res = launch(tmp_path / "full", "--precision", "bf16-true", "--save-at", "4")
     assert res["losses"][-1] < res["losses"][0] / 3 and res["ranks_identical"]
+    for got, ref in zip(res["losses"], r["fp32"]["losses"]):
+        assert abs(got - ref) <= 0.02 * ref, (res["losses"], r["fp32"]["losses"])
+    assert "kahan_comp" in res["state_keys"] and res["state_sharded"]
+    launch(tmp_path / "resumed", "--precision", "bf16-true", "--resume", str(tmp_path / "full" / "ckpt"))
+    full, resumed = weights(tmp_path / "full"), weights(tmp_path / "resumed")
+    for k in full:
+        assert torch.equal(resumed[k], full[k]), k
+
+
+def test_bf16_true_trains_sharded_with_stochastic_rounding(tmp_path):
+    res = launch(tmp_path, "--precision", "bf16-true", "--compensation", "stochastic")
+    assert res["losses"][-1] < res["losses"][0] / 3 and res["ranks_identical"]
+    assert "kahan_comp" not in res["state_keys"] and res["state_sharded"]
 
 
 def test_plugin_fields_without_an_fsdp2_meaning_say_what_to_do():

@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from itertools import chain
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import fused_adamw
 
@@ -146,8 +148,48 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
                                          "use torch.optim.SparseAdam for sparse embeddings")
                     buckets.setdefault((p.device, p.dtype), []).append(p)
             for (device, dtype), params in buckets.items():
-                self._step_bucket(group, params, device, dtype)
+                if any(isinstance(p, DTensor) for p in params):
+                    with self._on_local_shards(params) as local:
+                        self._step_bucket(group, local, device, dtype)
+                else:
+                    self._step_bucket(group, params, device, dtype)
         return loss
+
+    @contextmanager
+    def _on_local_shards(self, params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+        """Step sharded (FSDP2, DTensor) parameters on their local shards.
+
+        The update is elementwise, so each rank updates its own shard alone: the step runs on
+        plain views of the local shards (gradients, moments and compensation buffers likewise)
+        and writes through them in place. State created during the step is wrapped back into
+        DTensors placed as their parameter is, so ``get_state_dict`` / DCP reshard it.
+        """
+        local, given = [], []
+        for p in params:
+            if not isinstance(p, DTensor):
+                local.append(p)
+                given.append(None)
+                continue
+            lp = p.to_local().view_as(p.to_local())  # a new view object: .grad and state attach to it
+            lp.grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            views = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in self.state[p].items()}
+            self.state[lp] = dict(views)
+            local.append(lp)
+            given.append(views)
+        try:
+            yield local
+        finally:
+            for p, lp, views in zip(params, local, given):
+                if views is None:
+                    continue
+                for key, value in self.state.pop(lp).items():
+                    if views.get(key) is value:
+                        continue  # the state's own object (a DTensor's shard), updated in place
+                    if torch.is_tensor(value) and key != "step" and value.shape == lp.shape:
+                        value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                                   shape=p.shape, stride=p.stride())
+                    self.state[p][key] = value
+                lp.grad = None
 
     def _step_bucket(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
                      dtype: torch.dtype) -> None:

@@ -125,6 +125,8 @@ def main():
             "param_fraction": local_numel(model.parameters()) / total,
             "state_fraction": local_numel(state) / (2 * total),
             "checkpointed_blocks": sum(type(m).__name__.endswith("CheckpointWrapper") for m in model.modules()),
+            "state_keys": sorted({k for s in inner.state.values() for k in s}),
+            "state_sharded": all(hasattr(t, "to_local") for t in state),
             "scales": scales, "skipped": skipped, "losses": losses, "ranks_identical": len(set(digests)) == 1, "step": step}))
     acc.end_training()
 

@@ -87,9 +87,4 @@ class BF16TruePrecision(PrecisionPlugin):
     def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if self.config.compensation == "none":
             return optimizer
-        if any(hasattr(p, "to_local") for g in optimizer.param_groups for p in g["params"]):
-            raise NotImplementedError(
-                "bf16-true with sharded (FSDP2) parameters: the compensated optimizer does not run on DTensor "
-                "shards yet; pass bf16_true_compensation='none' (small updates are then lost to bf16 rounding) "
-                "or use bf16-mixed, whose sharded fp32 master weights keep them")
         return compensated_for_bf16(optimizer, self.config.compensation, self.config.state_dtype)
