@@ -103,6 +103,83 @@ def test_train_killed_mid_epoch_and_resumed_equals_uninterrupted_bit_for_bit(tmp
             assert torch.equal(a[k], b[k]), (other, k)
 
 
+RESUME_SCRIPT = Path(__file__).parent / "scripts" / "resume_trainer.py"
+
+
+def resume_script(out, *extra, code=0):
+    """Run tests/scripts/resume_trainer.py into ``out``; ``code`` is the exit status expected (-9: SIGKILLed)."""
+    import subprocess
+
+    p = subprocess.run([sys.executable, str(RESUME_SCRIPT), str(out), *extra], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == code, p.stderr[-3000:]
+    return p
+
+
+def jsonl_rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def same_weights(a, b):
+    wa = safetensors.torch.load_file(str(a / "final.safetensors"))
+    wb = safetensors.torch.load_file(str(b / "final.safetensors"))
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_mid_epoch_resume_with_two_persistent_workers_is_bit_for_bit(tmp_path):
+    """dataloader_num_workers=2, persistent_workers=True: a SIGKILL in the second epoch, then a resume
+    (which starts the workers in that epoch), gives the uninterrupted run's weights and logs."""
+    workers = ("--workers", "2")
+    resume_script(tmp_path / "full", *workers)
+    resume_script(tmp_path / "killed", *workers, "--kill-at", "17", code=-9)  # 12 steps per epoch
+    resume_script(tmp_path / "killed", *workers, "--resume")
+    assert same_weights(tmp_path / "full", tmp_path / "killed")
+    def losses(out):
+        return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in jsonl_rows(out)]
+    assert losses(tmp_path / "killed") == losses(tmp_path / "full")
+
+
+@pytest.mark.slow
+def test_tensorboard_and_log_history_hold_each_step_once_after_sigkill_and_sigterm_resumes(tmp_path):
+    """After a SIGKILL past the last checkpoint (steps 16-17 logged, then replayed) and a SIGTERM, each
+    resumed run's TensorBoard scalars (as TensorBoard reads them), metrics.jsonl and
+    trainer_state.json's log_history hold each step once, with the uninterrupted run's values."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    report = ("--report-to", "jsonl,tensorboard")
+    resume_script(tmp_path / "full", *report)
+    resume_script(tmp_path / "killed", *report, "--kill-at", "17", code=-9)
+    resume_script(tmp_path / "killed", *report, "--resume")
+    resume_script(tmp_path / "term", *report, "--sigterm-at", "13", code=75)
+    resume_script(tmp_path / "term", *report, "--resume")
+
+    def scalars(out):
+        ea = EventAccumulator(str(out / "runs"))  # every events file of the run folder, purges applied
+        ea.Reload()
+        return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+
+    def history(out):
+        return json.loads((out / "trainer_state.json").read_text())["log_history"]
+
+    full = scalars(tmp_path / "full")
+    assert [s for s, _ in full["train/loss"]] == [4, 8, 12, 16, 20, 24]
+    for run in ("killed", "term"):
+        out = tmp_path / run
+        got = scalars(out)
+        assert got.keys() == full.keys(), run
+        for tag, points in full.items():
+            if tag.startswith(("train/train_", "eval/runtime", "eval/samples", "eval/steps")):
+                assert [s for s, _ in got[tag]] == [s for s, _ in points], (run, tag)  # timings differ
+            else:
+                assert got[tag] == points, (run, tag)
+        rows, hist = jsonl_rows(out), history(out)
+        assert [r["step"] for r in rows] == [h["step"] for h in hist] == [h["step"] for h in history(tmp_path / "full")]
+        for r, h in zip(rows, hist):
+            assert r == {k: (None if isinstance(v, float) and v != v else v) for k, v in h.items()}, run
+
+
 class Scripted:
     """compute_metrics returning a scripted score per evaluation, to know which checkpoint is best."""
 

@@ -153,6 +153,7 @@ class PreparedDataLoader:
         self._iterable = isinstance(loader.dataset, IterableDataset)
         self._world_size, self._rank = world_size, rank
         self._skip = 0  # batches to skip at the start of the next epoch
+        self._workers_started = False  # persistent workers running: torch draws no new base seed
         self._sharder: _ShardedBatchSampler | None = None
         if self._iterable or loader.batch_sampler is None:
             if world_size > 1:
@@ -237,6 +238,13 @@ class PreparedDataLoader:
         if self._own_generator:
             self.generator.manual_seed(self.seed + self.epoch)
         self._epoch_start_state = self.generator.get_state()
+        if self._workers_started:
+            # torch draws the workers' base seed from the generator (before the sampler's shuffle)
+            # when it starts the workers, and persistent workers are started once: a resumed run,
+            # which starts them in a later epoch, would shuffle that epoch differently. Draw it here
+            # in the epochs torch does not, so every epoch's order depends on its state alone.
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        self._workers_started = self.loader.persistent_workers and self.loader.num_workers > 0
         skip, self._skip = self._skip, 0
         if self._sharder is not None:
             self._sharder.skip = skip  # skipped in the sampler: those batches are never loaded

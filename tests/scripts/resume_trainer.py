@@ -1,6 +1,7 @@
 """Train with the Trainer for 2 epochs; optionally SIGKILL ourselves mid-training or mid-save; or resume.
 
-    python resume_trainer.py OUT --precision fp32 [--kill-at STEP] [--kill-in-save N] [--resume]
+    python resume_trainer.py OUT --precision fp32 [--kill-at STEP] [--sigterm-at STEP] [--kill-in-save N]
+        [--workers N] [--report-to jsonl,tensorboard] [--resume]
 """
 
 import argparse
@@ -25,6 +26,8 @@ ap.add_argument("--kill-at", type=int, default=-1)
 ap.add_argument("--sigterm-at", type=int, default=-1, help="send ourselves SIGTERM (a preemption) at this step")
 ap.add_argument("--kill-in-save", type=int, default=-1)
 ap.add_argument("--resume", action="store_true")
+ap.add_argument("--workers", type=int, default=0, help="dataloader_num_workers, with persistent workers")
+ap.add_argument("--report-to", default="jsonl", help="comma-separated reporters")
 args = ap.parse_args()
 
 
@@ -52,11 +55,14 @@ if args.kill_in_save > 0:
 
 targs = TrainingArguments(output_dir=args.out, precision=args.precision, num_train_epochs=2,
                           per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=3, save_steps=5,
-                          logging_steps=4, eval_strategy="epoch", disable_tqdm=True, seed=7)
+                          logging_steps=4, eval_strategy="epoch", disable_tqdm=True, seed=7,
+                          dataloader_num_workers=args.workers, dataloader_persistent_workers=args.workers > 0,
+                          report_to=args.report_to.split(","))
 torch.manual_seed(0)
 model = Classifier(hidden=32, dropout=0.2)
 trainer = Trainer(model=model, args=targs, train_dataset=blobs(96), eval_dataset=blobs(32, seed=1),
                   callbacks=[KillAt()])
 out = trainer.train(resume_from_checkpoint=True if args.resume else None)
 safetensors.torch.save_model(model, str(Path(args.out) / "final.safetensors"))
+trainer.save_state()  # output_dir/trainer_state.json: the whole log_history
 print("global_step", out.global_step)
