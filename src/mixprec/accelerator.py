@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from . import distributed as D
 from .accelerator_state import AcceleratorState, DistributedType, GradientState
+from .audit import PrecisionAudit, PrecisionReport, recording_ddp_hook
 from .configs import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, coerce_config
 from .data import PreparedDataLoader
 from .diagnostics.monitor import DiagnosticsConfig, Monitor
@@ -203,6 +204,8 @@ class Accelerator(ProcessAPI):
         self.monitor: Monitor | None = None
         self.optimizer_steps = 0  # applied or skipped, counted by the first prepared optimizer
         self.precision_fallbacks: list[dict[str, Any]] = []
+        #: What the prepared objects really train in (see :meth:`precision_report`).
+        self.audit = PrecisionAudit()
 
     def _current_precision(self) -> PrecisionPlugin:
         return self.precision
@@ -368,11 +371,13 @@ class Accelerator(ProcessAPI):
             after = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
             # fully_shard replaces the parameters: optimizers built on the old ones are pointed at them.
             self._sharded_params.update({id(p): after[n] for n, p in before.items() if n in after})
-        elif self.use_distributed:
+        self.audit.watch_model(model)
+        if self.use_distributed and self.fsdp_plugin is None:
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)
-            if self.ddp_comm_hook is not None:
-                model.register_comm_hook(state=None, hook=D.compress_hook(self.ddp_comm_hook))
+            # The bucket's mean, compressed to ddp_comm_hook's dtype if set; the audit sees its dtype.
+            wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.ddp_comm_hook or "")
+            model.register_comm_hook(state=None, hook=recording_ddp_hook(self.audit.record_reduced, wire))
         if self.compile:
             # Compiled around the precision's forward, so autocast is traced into the graph.
             model = torch.compile(model, **(self.compile if isinstance(self.compile, dict) else {}))
@@ -389,6 +394,7 @@ class Accelerator(ProcessAPI):
                 group["params"] = [self._sharded_params.get(id(p), p) for p in group["params"]]
         converted = self.precision.convert_optimizer(optimizer)
         self.precision.track_optimizer(converted)
+        self.audit.watch_optimizer(converted)
         wrapped = AcceleratedOptimizer(converted, self._optimizer_hooks, original=optimizer)
         self.prepared.optimizers.append(wrapped)
         return self._mark_prepared(wrapped)
@@ -765,8 +771,39 @@ class Accelerator(ProcessAPI):
             self._switch_precision(meta["precision"])  # the run had fallen back: keep it so
             self.precision_fallbacks.append({"step": meta.get("optimizer_steps", 0), "to": meta["precision"]})
         self.precision.load_state_dict(precision_state)
+        self.audit.scaler_loaded(self.precision.state_dict(), precision_state, enabled=self.scaler is not None)
         self.step = int(meta["step"])
         self.optimizer_steps = int(meta.get("optimizer_steps", 0))
+
+    def precision_report(self) -> PrecisionReport:
+        """What precision is really in force, read from the live objects, and where it differs
+        from the precision's contract (the README's table).
+
+        Observed in the first step after ``prepare`` (forward, gradient reduction, optimizer step)
+        and read now from the parameters, optimizer state and loss scaler: the dtype of the
+        (sharded) master weights, of the parameters as forward sees them, the autocast dtype
+        inside forward, of the matmul outputs, of the gradients as reduced (DDP's communication
+        hook, FSDP2's reduce-scatter output) and as stored, of each optimizer state tensor, and
+        whether the loss scaler was restored by the last :meth:`load_state`. No host sync but
+        the scaler's scale.
+
+        Example:
+            >>> report = accelerator.precision_report()         # doctest: +SKIP
+            >>> report.ok, report.violations, print(report.line())   # doctest: +SKIP
+        """
+        mode = ("fsdp" if self.fsdp_plugin is not None else "ddp") if self.use_distributed else "single"
+        p = self.policy
+        reduce_dtype = None
+        if mode == "fsdp" and p.compute_dtype != torch.float32:
+            reduce_dtype = self.fsdp_plugin.reduce_dtype or p.compute_dtype  # None: FSDP2 reduces in param_dtype
+        elif mode == "ddp" and self.ddp_comm_hook:
+            reduce_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[self.ddp_comm_hook]
+        moments = None
+        if p.name == "bf16-true":
+            moments = self.bf16_true.state_dtype if self.bf16_true.compensation != "none" else p.param_dtype
+        return self.audit.report(p.name, mode, [unwrap(m) for m in self.prepared.models],
+                                 [o.optimizer for o in self.prepared.optimizers], self.scaler,
+                                 reduce_dtype=reduce_dtype, moments=moments)
 
     def free_memory(self, *objects: Any) -> Any:
         """Forget every prepared object, collect garbage and empty the device cache (between two

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessInfo", "init_from_env", "gather", "reduce", "broadcast_object", "barrier", "compress_hook"]
+__all__ = ["ProcessInfo", "init_from_env", "gather", "reduce", "broadcast_object", "barrier"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,32 +143,3 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-def _gloo_bf16_compress_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
-
-
-# DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation).
-_gloo_bf16_compress_hook.__annotations__ = {
-    "process_group": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
-
-
-def compress_hook(dtype: str) -> Any:
-    """torch's DDP gradient-compression hook for ``"fp16"`` or ``"bf16"``.
-
-    DDP refuses torch's ``bf16_compress_hook`` unless the backend is NCCL >= 2.10 (older NCCL
-    lacked bf16); gloo all-reduces bf16 correctly, so on gloo the same torch implementation
-    runs under another name.
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    if dtype == "fp16":
-        return default_hooks.fp16_compress_hook
-    if dtype != "bf16":
-        raise ValueError(f"compression dtype must be 'fp16' or 'bf16', got {dtype!r}")
-    if _active() and dist.get_backend() == "gloo":
-        return _gloo_bf16_compress_hook
-    return default_hooks.bf16_compress_hook
