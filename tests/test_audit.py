@@ -124,3 +124,21 @@ def test_every_precision_meets_its_contract_with_two_processes(tmp_path, mode):
     else:
         assert reports[1]["observed"]["forward_params"] == "float32"  # autocast casts per op
         assert reports[4]["violations"] == [] and reports[4]["observed"]["reduced_gradients"] == "bfloat16"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-true"])
+def test_the_trainers_first_log_says_what_precision_is_in_force(tmp_path, precision):
+    from mixprec import Trainer, TrainingArguments
+
+    from toys import Classifier, blobs
+
+    args = TrainingArguments(output_dir=str(tmp_path), disable_tqdm=True, per_device_train_batch_size=16,
+                             max_steps=6, logging_steps=2, save_strategy="no", precision=precision)
+    torch.manual_seed(0)
+    trainer = Trainer(model=Classifier(), args=args, train_dataset=blobs(200))
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first = rows[0]["precision_in_force"]
+    assert first.startswith(f"precision in force ({trainer.accelerator.policy.name}, single)") and \
+        first.endswith("as the contract says"), first
+    assert all("precision_in_force" not in r for r in rows[1:])

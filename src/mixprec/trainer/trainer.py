@@ -385,6 +385,7 @@ class Trainer:
         self._micro_in_step = 0
         self._preempted_at: int | None = None
         self._done = {"log": -1, "evaluate": -1, "save": -1}
+        self._precision_reported = False  # the first log says what precision is really in force
         self._grad_norm = None
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # listed once, not per step
         start_time = time.time()
@@ -546,6 +547,12 @@ class Trainer:
         logs.update(self._read_scaler_into_state())
         if acc.monitor is not None:
             logs.update(acc.monitor.log_values())
+        if not self._precision_reported:
+            self._precision_reported = True
+            report = acc.precision_report()  # observed in the steps so far, against the contract
+            logs["precision_in_force"] = report.line()
+            if not report.ok and acc.is_main_process:
+                log.warning("mixprec: %s", report.line())
         if s.precision != acc.policy.name:  # a loss-scale collapse made the run fall back
             s.precision = logs["precision"] = acc.policy.name
         self._loss_since_log = torch.zeros((), device=acc.device)
