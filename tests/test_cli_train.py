@@ -1,4 +1,4 @@
-"""``mixprec train``: example configs run, bad configs are refused before any work, Ctrl-C resumes."""
+"""``mixprec train``: example configs run, bad configs are refused before any work, Ctrl-C and SIGTERM resume."""
 
 from __future__ import annotations
 
@@ -147,3 +147,35 @@ def test_ctrl_c_saves_a_checkpoint_that_resume_continues(tmp_path):
                         capture_output=True, text=True, timeout=120, env={**os.environ})
     assert rc.returncode == 0, rc.stderr[-2000:]
     assert f"done: {step + 3} steps" in rc.stdout
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_checkpoints_exits_75_and_resume_continues(tmp_path):
+    """A scheduler's preemption: SIGTERM to `mixprec train` finishes the step, writes a checkpoint at
+    it, logs one line, exits with status 75; --resume continues from it, logging each step once."""
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "mixprec.cli", "train", str(EXAMPLES / "pycode-tiny.toml"), "--task.max_bytes",
+            "100000", "--output-dir", str(out), "--save-strategy", "no", "--eval-strategy", "no", "--disable-tqdm", "true",
+            "--logging-steps", "1"]
+    proc = subprocess.Popen([*base, "--max-steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr[-2000:]
+    ckpts = list(out.glob("checkpoint-*"))
+    assert len(ckpts) == 1  # save_strategy="no": the preemption's checkpoint alone
+    step = int(ckpts[0].name.split("-")[1])
+    told = [line for line in stderr.splitlines() if "SIGTERM" in line]
+    assert len(told) == 1 and f"stopped after step {step} with a checkpoint" in told[0], stderr[-2000:]
+    assert f"stopped by SIGTERM at step {step}" in stdout and "--resume" in stdout
+    logged = [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, step + 1))  # nothing logged past the checkpoint
+    rc = subprocess.run([*base, "--max-steps", str(step + 3), "--resume"], capture_output=True, text=True, timeout=120)
+    assert rc.returncode == 0, rc.stderr[-2000:]
+    assert f"done: {step + 3} steps" in rc.stdout
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, step + 4))

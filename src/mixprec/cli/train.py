@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..preemption import PREEMPTED_EXIT_CODE
 from ..trainer import Trainer, TrainerCallback
 from ..trainer.checkpoints import list_checkpoints
 from .config import ConfigError, RunConfig, load_config
@@ -21,7 +22,8 @@ EXAMPLES = """Examples:
 
 Flags override the file: --section.key VALUE for any key, or --key VALUE for a [training]
 field and for --task, --size, --arch, --model, --data, --precision. Ctrl-C saves a checkpoint
-and exits; --resume continues from it.
+and exits (status 130); so does SIGTERM, a scheduler's preemption (status 75); --resume
+continues from it.
 """
 
 
@@ -101,16 +103,22 @@ class _Interrupt(TrainerCallback):
             signal.signal(signal.SIGINT, self._previous)
 
 
-def train_from_config(cfg: RunConfig, resume: bool = False) -> tuple[Trainer, bool]:
-    """Build the task and the Trainer from ``cfg`` and train; returns the trainer and whether Ctrl-C stopped it."""
+def train_from_config(cfg: RunConfig, resume: bool = False) -> tuple[Trainer, str | None]:
+    """Build the task and the Trainer from ``cfg`` and train; returns the trainer and what stopped it
+    early after writing a checkpoint: ``"Ctrl-C"``, ``"SIGTERM"`` (a preemption) or ``None``."""
     built = build_task(cfg.task)
     interrupt = _Interrupt()
     trainer = Trainer(model=built.build_model(), args=cfg.training, train_dataset=built.train_dataset,
                       eval_dataset=built.eval_dataset, data_collator=built.collate_fn,
                       compute_metrics=built.compute_metrics,
                       preprocess_logits_for_metrics=built.preprocess_logits_for_metrics, callbacks=[interrupt])
-    trainer.train(resume_from_checkpoint=True if resume else None)
-    return trainer, interrupt.requested
+    try:
+        trainer.train(resume_from_checkpoint=True if resume else None)
+    except SystemExit as e:  # the Trainer's exit after a SIGTERM, its checkpoint written
+        if e.code != PREEMPTED_EXIT_CODE:
+            raise
+        return trainer, "SIGTERM"
+    return trainer, "Ctrl-C" if interrupt.requested else None
 
 
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
@@ -119,16 +127,16 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         if any(cfg.diagnostics.values()):
             raise ConfigError("[diagnostics]: the precision diagnostics are not wired into `mixprec train` yet; "
                               "remove the table (or set its values to 0/false)")
-        trainer, interrupted = train_from_config(cfg, resume=args.resume)
+        trainer, stopped_by = train_from_config(cfg, resume=args.resume)
     except ConfigError as e:
         print(f"mixprec train: error: {e}", file=sys.stderr)
         return 2
     out = Path(cfg.training.output_dir)
     ckpts = list_checkpoints(out)
-    if interrupted:
-        print(f"stopped by Ctrl-C at step {trainer.state.global_step}; checkpoint: {ckpts[-1] if ckpts else '-'}\n"
+    if stopped_by is not None:
+        print(f"stopped by {stopped_by} at step {trainer.state.global_step}; checkpoint: {ckpts[-1] if ckpts else '-'}\n"
               f"continue with: mixprec train {args.config or ''} --resume".replace("  ", " "))
-        return 130
+        return 130 if stopped_by == "Ctrl-C" else PREEMPTED_EXIT_CODE
     history = trainer.state.log_history
     shown = dict(history[-1])
     shown.update(next((h for h in reversed(history) if any(k.startswith("eval_") for k in h)), {}))
