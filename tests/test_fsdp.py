@@ -300,3 +300,36 @@ def test_a_rank_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint_lo
     launch(tmp_path / "resumed", "--precision", "fp32", "--resume", str(out / "ckpt"))
     full, got = weights(root / "fp32"), weights(tmp_path / "resumed")
     assert all(torch.equal(got[k], full[k]) for k in full)
+
+
+def test_gradient_statistics_count_every_shard_once(tmp_path):
+    """GradientStats on DTensor gradients: each rank counts its shard, the counts are summed over
+    the ranks, so rank 0 reports whole parameters as one process does; an inf in rank 1's shard
+    shows in rank 0's report."""
+    res = launch(tmp_path, "--precision", "fp32", "--diagnostics", "--steps", "2")  # (the tracer runs too)
+    assert res["overflow_events"] == []
+    Net = _script_module().Net
+    acc = Accelerator(cpu=True, diagnostics={"gradient_stats_every": 1})
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt, dl = acc.prepare(model, opt, torch.utils.data.DataLoader(Regression(n=64), batch_size=8))
+    for i, (x, y) in enumerate(dl):
+        acc.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+        acc.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
+        opt.zero_grad()
+        if i == 1:
+            break
+    ref = acc.monitor.stats.report()
+    assert len(res["grad_stats"]) == len(ref) == 2
+    for got, want in zip(res["grad_stats"], ref):
+        assert set(got) == set(want["parameters"])
+        for name, g in got.items():
+            w = want["parameters"][name]
+            assert g["numel"] == w["numel"] == sum(g["hist"]), name
+            # the same gradients up to the reduction's rounding: a value may cross a bin edge
+            assert sum(abs(a - b) for a, b in zip(g["hist"], w["unscaled"]["log2_hist"])) <= 0.02 * w["numel"] + 2
+    res = launch(tmp_path / "inf", "--precision", "fp32", "--diagnostics", "--skip-nonfinite",
+                 "--inf-rank", "1", "--inf-step", "1", "--steps", "2")
+    assert [s["inp.weight"]["nan"] for s in res["grad_stats"]] == [0, 1]

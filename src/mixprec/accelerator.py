@@ -357,10 +357,6 @@ class Accelerator(ProcessAPI):
             model.to(self.device)
         self.precision.convert_module(model)
         patch_forward(model, self._current_precision)
-        if self.diagnostics.enabled:
-            if self.monitor is None:
-                self.monitor = Monitor(self.diagnostics, scaler=self.scaler)
-            self.monitor.watch(model)
         if self.use_distributed and self.fsdp_plugin is not None:
             # Every rank shards the same weights: rank 0's (as DDP does; FSDP2 alone would keep
             # each rank's own slice of differently initialised models).
@@ -372,6 +368,10 @@ class Accelerator(ProcessAPI):
             # fully_shard replaces the parameters: optimizers built on the old ones are pointed at them.
             self._sharded_params.update({id(p): after[n] for n, p in before.items() if n in after})
         self.audit.watch_model(model)
+        if self.diagnostics.enabled:  # after sharding: the statistics read the sharded gradients
+            if self.monitor is None:
+                self.monitor = Monitor(self.diagnostics, scaler=self.scaler)
+            self.monitor.watch(model)
         if self.use_distributed and self.fsdp_plugin is None:
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)

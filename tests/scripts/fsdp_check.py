@@ -62,12 +62,15 @@ def main():
     ap.add_argument("--compensation", default="kahan")
     ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--skip-nonfinite", action="store_true")
+    ap.add_argument("--diagnostics", action="store_true", help="gradient statistics every step and the overflow tracer")
     ap.add_argument("--die-saving-at", type=int, default=-1, help="rank 1 SIGKILLs itself inside a save at this step")
     args = ap.parse_args()
     out = Path(args.out)
     scaler = {"init_scale": 2.0**10} if args.precision == "fp16" else None
     acc = Accelerator(mixed_precision=args.precision, cpu=True, loss_scaler=scaler,
-                      bf16_true_compensation=args.compensation,
+                      bf16_true_compensation=args.compensation, skip_nonfinite_steps=args.skip_nonfinite,
+                      diagnostics={"gradient_stats_every": 1, "trace_overflow": True} if args.diagnostics else None,
                       fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"],
                                                                  activation_checkpointing=args.activation_checkpointing))
     torch.manual_seed(0)
@@ -108,6 +111,8 @@ def main():
                            async_save=args.async_save)  # training goes on while it is written
         if step == args.steps:
             break
+    stats = acc.monitor.stats.report() if args.diagnostics else []  # every rank: the counts were all-reduced
+    events = [e.module_path for e in acc.monitor.events] if args.diagnostics else []
     full = acc.get_state_dict(model)
     digest = hashlib.sha256(b"".join(full[k].float().numpy().tobytes() for k in sorted(full))).hexdigest()
     digests = [None] * acc.num_processes
@@ -125,6 +130,10 @@ def main():
             "param_fraction": local_numel(model.parameters()) / total,
             "state_fraction": local_numel(state) / (2 * total),
             "checkpointed_blocks": sum(type(m).__name__.endswith("CheckpointWrapper") for m in model.modules()),
+            "grad_stats": [{n: {"numel": v["numel"], "zero": v["unscaled"]["zero"],
+                                "fp16_flush": v["unscaled"]["fp16"]["flush"], "nan": v["unscaled"]["nan"], "overflow": v["unscaled"]["fp16"]["overflow"], "hist": v["unscaled"]["log2_hist"]}
+                            for n, v in r["parameters"].items()} for r in stats],
+            "overflow_events": events,
             "state_keys": sorted({k for s in inner.state.values() for k in s}),
             "state_sharded": all(hasattr(t, "to_local") for t in state),
             "scales": scales, "skipped": skipped, "losses": losses, "ranks_identical": len(set(digests)) == 1, "step": step}))

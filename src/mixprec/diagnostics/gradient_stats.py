@@ -168,16 +168,28 @@ class GradientStats:
         if not self._every or step % self._every:
             return
         by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        replicated: set[int] = set()  # plain gradients beside sharded ones: the same on every rank
+        group = None
         for i, p in enumerate(self._params):
             g = p.grad
+            if g is not None and hasattr(g, "to_local") and all(pl.is_shard() for pl in g.placements):
+                # An FSDP2 (DTensor) gradient: count this rank's shard, even an empty one (every
+                # rank keeps the same layout), and sum the counts over the shards' ranks below.
+                group = g.device_mesh.get_group()
+                by_device.setdefault(g.device, []).append((i, g.to_local()))
+                continue
             if g is None or g.is_sparse or g.numel() == 0:
                 continue
-            by_device.setdefault(g.device, []).append((i, g))
+            replicated.add(i)
+            by_device.setdefault(g.device, []).append((i, g.to_local() if hasattr(g, "to_local") else g))
         if not by_device:
             return
         carried = _read_scale(grads_are_scaled_by)
         scale = _read_scale(self._scale_source)
         groups = [self._observe_device(dev, items, carried, scale) for dev, items in by_device.items()]
+        if group is not None:
+            for g in groups:
+                _sum_over_shards(g, replicated, group, self._binning.n_fine)
         self._records.append(_Record(step=step, scale=scale, carried=carried, groups=groups))
 
     def _observe_device(self, device, items, carried, scale) -> _Group:
@@ -315,6 +327,21 @@ class GradientStats:
             return "GradientStats(enabled=False)"
         return (f"GradientStats(parameters={len(self._params)}, every_n_steps={self._every}, "
                 f"bins=({self._lo}, {self._hi}), observed={len(self._records)})")
+
+
+def _sum_over_shards(group: _Group, replicated: set[int], process_group: Any, n_fine: int) -> None:
+    """Sum a step's counts over the ranks holding the shards (an all-reduce on the device, no
+    host sync); a replicated gradient's rows count once, from rank 0."""
+    import torch.distributed as dist
+
+    counts = [group.unscaled] if group.at_scale is group.unscaled else [group.unscaled, group.at_scale]
+    if dist.get_rank(process_group) != 0:
+        rows = [j for j, (i, _) in enumerate(group.key) if i in replicated]
+        for c in counts:
+            if rows:
+                c.view(len(group.key), n_fine)[rows] = 0
+    for c in counts:
+        dist.all_reduce(c, group=process_group)
 
 
 def _fetch(tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
