@@ -1,4 +1,4 @@
-"""skip_nonfinite_steps: fp32 and bf16-mixed skip a step whose gradients hold inf/NaN, like fp16 does."""
+"""skip_nonfinite_steps: fp32, bf16-mixed and bf16-true skip a step whose gradients hold inf/NaN, like fp16 does."""
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ def run(precision, bad_steps, steps=5, fused=False, **kw):
     return acc, model, opt, skipped
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-true"])
 def test_a_nan_batch_is_skipped_and_counted_and_the_weights_stay_finite(precision):
     acc, model, opt, skipped = run(precision, bad_steps={1, 3})
     assert skipped == [False, True, False, True, False]
@@ -62,9 +62,79 @@ def test_the_guard_makes_no_host_sync_with_a_fused_optimizer():
     assert syncs.count == 0, syncs.events
 
 
-def test_bf16_true_says_it_has_no_guard_yet():
-    with pytest.raises(NotImplementedError, match="bf16-true.*bf16-mixed"):
-        Accelerator(mixed_precision="bf16-true", cpu=True, skip_nonfinite_steps=True)
+def bf16_true_run(batches, guard, optimizer="adamw", compensation="kahan"):
+    acc = Accelerator(mixed_precision="bf16-true", cpu=True, skip_nonfinite_steps=guard,
+                      bf16_true_compensation=compensation)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
+    model, opt = acc.prepare(model, opt)
+    skipped = []
+    for x in batches:
+        acc.backward(model(x).float().pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+        skipped.append(opt.step_was_skipped)
+    return acc, model, opt, skipped
+
+
+@pytest.mark.parametrize("optimizer, compensation", [("adamw", "kahan"), ("sgd", "kahan"), ("adamw", "stochastic")])
+def test_bf16_true_skips_a_nan_step_leaving_weights_moments_and_kahan_buffers_as_they_were(optimizer, compensation):
+    """The control: the same run without the bad batches. A skipped step changes nothing, so both end
+    bit for bit alike: weights (bf16, LayerNorm's fp32), moments, Kahan buffers and step counts."""
+    g = torch.Generator().manual_seed(1)
+    good = [torch.randn(8, 4, generator=g) for _ in range(4)]
+    bad = [torch.randn(8, 4, generator=g) for _ in range(2)]
+    bad[0][0, 0], bad[1][3, 2] = float("nan"), float("inf")
+    acc, model, opt, skipped = bf16_true_run([good[0], bad[0], good[1], good[2], bad[1], good[3]], True,
+                                             optimizer, compensation)
+    _, control, control_opt, _ = bf16_true_run(good, False, optimizer, compensation)
+    assert skipped == [False, True, False, False, True, False]
+    assert opt.skipped_steps == 2 and acc.precision.log_values() == {"loss_scale": 1.0, "skipped_steps": 2}
+    assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
+    for a, b in zip(model.state_dict().values(), control.state_dict().values()):
+        assert torch.equal(a, b)
+    state, control_state = opt.optimizer.state_dict()["state"], control_opt.optimizer.state_dict()["state"]
+    assert state.keys() == control_state.keys()
+    assert (compensation == "kahan") == any("kahan_comp" in st for st in state.values())
+    for i in state:
+        assert state[i].keys() == control_state[i].keys()
+        for k in state[i]:
+            assert torch.equal(state[i][k], control_state[i][k]), (i, k)
+
+
+def test_bf16_true_without_the_guard_one_nan_batch_poisons_the_weights():
+    x = torch.randn(8, 4)
+    x[0, 0] = float("nan")
+    _, model, _, _ = bf16_true_run([x], False)
+    assert not torch.isfinite(model[0].weight).all()
+
+
+def test_bf16_true_max_consecutive_skips_stops_a_run_that_only_produces_nans():
+    acc = Accelerator(mixed_precision="bf16-true", cpu=True, skip_nonfinite_steps=True,
+                      loss_scaler={"max_consecutive_skips": 3})
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    x = torch.full((8, 4), float("nan"))
+    with pytest.raises(LossScaleCollapse):
+        for _ in range(4):
+            acc.backward(model(x).float().pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+
+
+def test_the_bf16_true_guard_reads_the_found_inf_flag_once_per_step():
+    """The compensated optimizer has no fused, scale-aware step: deciding to step reads the flag once
+    (GradScaler's own cost for such optimizers), and nothing else syncs."""
+    x = torch.randn(8, 4)
+    acc, model, opt, _ = bf16_true_run([x, x], True)
+    with count_host_syncs("cpu", ignore=host_side_tensors(opt.optimizer)) as syncs:
+        acc.backward(model(x).float().pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    assert syncs.count == 1, syncs.events
 
 
 @pytest.mark.parametrize("guard", [True, False])

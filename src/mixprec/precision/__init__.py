@@ -6,7 +6,7 @@
 """
 
 from .base import PrecisionPlugin, PrecisionPolicy
-from .bf16_true import BF16TrueConfig, BF16TruePrecision
+from .bf16_true import BF16TrueConfig, BF16TruePrecision, GuardedBF16TruePrecision
 from .fp32 import FP32Precision
 from .mixed import MixedPrecision
 from .names import (
@@ -24,6 +24,7 @@ __all__ = [
     "BF16TruePrecision",
     "CANONICAL_PRECISIONS",
     "FP32Precision",
+    "GuardedBF16TruePrecision",
     "MixedPrecision",
     "PrecisionPerformanceWarning",
     "PrecisionPlugin",

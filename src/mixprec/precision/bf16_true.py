@@ -2,6 +2,9 @@
 (:func:`mixprec.bf16_true.fp32_modules_rule`), float inputs cast to bf16, and the user's fresh
 ``torch.optim.AdamW`` / ``SGD`` swapped for its compensated twin (:mod:`mixprec.optim`) so that
 updates smaller than bf16's resolution of the weights are not lost. No autocast, no loss scaler.
+
+:class:`GuardedBF16TruePrecision` adds the inf/NaN guard (``skip_nonfinite_steps``): the loss
+scaler's check and skip at a scale pinned to 1, so nothing is scaled.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from ..bf16_true import cast_for_bf16_true
 from ..data import send_to_device
 from ..optim import COMPENSATIONS, STATE_DTYPE_NAMES, compensated_for_bf16
 from .base import PrecisionPlugin, PrecisionPolicy
+from .mixed import MixedPrecision
 
-__all__ = ["BF16TrueConfig", "BF16TruePrecision"]
+__all__ = ["BF16TrueConfig", "BF16TruePrecision", "GuardedBF16TruePrecision"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,3 +92,41 @@ class BF16TruePrecision(PrecisionPlugin):
         if self.config.compensation == "none":
             return optimizer
         return compensated_for_bf16(optimizer, self.config.compensation, self.config.state_dtype)
+
+
+class GuardedBF16TruePrecision(BF16TruePrecision, MixedPrecision):
+    """bf16-true that skips an optimizer step whose gradients hold inf/NaN (``skip_nonfinite_steps``).
+
+    bf16-true's model, inputs and compensated optimizer, with :class:`MixedPrecision`'s step: the
+    loss scaler's inf/NaN check (``_amp_foreach_non_finite_check_and_unscale_``, bf16 gradients
+    included) and skip, at a scale pinned to 1 (:data:`~mixprec.precision.names.NONFINITE_GUARD`),
+    so the loss and gradients are multiplied by 1 and nothing else changes. A skipped step leaves
+    the weights, the moments, the Kahan buffers and the step count as they were; it is counted in
+    ``skipped_steps``, and ``max_consecutive_skips`` applies.
+
+    One host sync per step: the compensated optimizer has no fused, scale-aware ``step`` (torch's
+    ``fused=True`` optimizers take the found-inf flag on the device), so deciding whether to call
+    ``step()`` reads the flag once, as ``torch.amp.GradScaler`` does for any optimizer without one.
+    On the CPU that read is no device synchronisation at all.
+
+    Args:
+        policy: the resolved bf16-true policy.
+        device: the device the run trains on.
+        loss_scaler: the guard's :class:`~mixprec.LossScaler` or a dict of its arguments
+            (:func:`~mixprec.precision.make_plugin` pins its scale to 1).
+        bf16_true: a :class:`BF16TrueConfig`.
+
+    Example:
+        >>> from mixprec.precision import make_plugin
+        >>> plugin = make_plugin("bf16-true", "cpu", skip_nonfinite_steps=True)
+        >>> model = plugin.convert_module(torch.nn.Linear(4, 1))
+        >>> opt = plugin.convert_optimizer(torch.optim.AdamW(model.parameters()))
+        >>> plugin.track_optimizer(opt)
+        >>> x = torch.randn(8, 4); x[0, 0] = float("nan")
+        >>> plugin.backward(model(plugin.convert_input(x)).float().pow(2).mean()); plugin.optimizer_step(opt)
+        >>> plugin.step_was_skipped(opt), bool(torch.isfinite(model.weight).all())
+        (True, True)
+    """
+
+    def fallback_precision(self, native_bf16: bool) -> str | None:
+        return None  # the guard only skips: a run of inf/NaN steps has no safer precision to switch to

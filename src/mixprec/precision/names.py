@@ -14,7 +14,7 @@ import torch
 
 from ..hardware import choose_auto, detect_capability
 from .base import PrecisionPlugin, PrecisionPolicy
-from .bf16_true import BF16TruePrecision
+from .bf16_true import BF16TruePrecision, GuardedBF16TruePrecision
 from .fp32 import FP32Precision
 from .mixed import MixedPrecision
 
@@ -166,9 +166,9 @@ def make_plugin(precision: str | PrecisionPolicy, device: str | torch.device, **
         device: the device the run trains on.
         **options: the plugin's options: ``loss_scaler`` (a :class:`~mixprec.LossScaler` or a dict
             of its arguments; refused by precisions that need none), ``bf16_true`` (a
-            :class:`~mixprec.precision.BF16TrueConfig`), ``skip_nonfinite_steps`` (fp32 and
-            bf16-mixed: skip a step whose gradients hold inf/NaN, with the loss scaler's check at
-            a scale of 1; fp16 always does; ``"auto"``: where the precision has it).
+            :class:`~mixprec.precision.BF16TrueConfig`), ``skip_nonfinite_steps`` (fp32, bf16-mixed
+            and bf16-true: skip a step whose gradients hold inf/NaN, with the loss scaler's check
+            at a scale of 1; fp16 always does; ``"auto"``: likewise, every precision has it now).
 
     Example:
         >>> type(make_plugin("bf16", "cpu")).__name__
@@ -178,20 +178,16 @@ def make_plugin(precision: str | PrecisionPolicy, device: str | torch.device, **
     guard = options.pop("skip_nonfinite_steps", False)
     cls = _TABLE[policy.name].plugin
     if guard and not policy.needs_loss_scaler:
-        from .mixed import MixedPrecision
-
-        if not issubclass(cls, MixedPrecision) and policy.param_dtype != _f32:
-            if guard == "auto":
-                return cls(policy, device, **options)
-            raise NotImplementedError(f"skip_nonfinite_steps with {policy.name} is not supported yet (its "
-                                      "optimizer has no inf/NaN check); use bf16-mixed, or leave it off")
         scaler = options.get("loss_scaler")
         if scaler is None or isinstance(scaler, dict):
             # The loss scaler's inf/NaN check and skip, at a scale pinned to 1: nothing is scaled.
             options["loss_scaler"] = {**(scaler or {}), **NONFINITE_GUARD}
-        return MixedPrecision(policy, device, **options)
+        return _GUARDED.get(cls, MixedPrecision)(policy, device, **options)
     return cls(policy, device, **options)
 
+
+# The plugin that adds the inf/NaN guard to a precision's own (the others get MixedPrecision's step).
+_GUARDED: dict[type[PrecisionPlugin], type[PrecisionPlugin]] = {BF16TruePrecision: GuardedBF16TruePrecision}
 
 #: A loss scaler that only guards: its scale is pinned to 1, so it checks for inf/NaN and skips.
 NONFINITE_GUARD = {"init_scale": 1.0, "min_scale": 1.0, "max_scale": 1.0}

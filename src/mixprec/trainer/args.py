@@ -100,11 +100,11 @@ class TrainingArguments:
     diagnostics: ``diagnostics_steps`` (gradient statistics every N steps, logged), ``trace_overflow``
     (name the first overflowing module), ``drift_steps`` (every N steps the batch's loss in fp32
     beside the mixed one); ``on_loss_scale_collapse="fallback"`` switches a collapsing fp16 run to
-    bf16-mixed (or fp32) instead of raising; ``skip_nonfinite_steps`` makes fp32 and bf16-mixed
-    skip an optimizer step whose gradients hold inf/NaN, as fp16 does (counted in
-    ``state.skipped_steps``; ~2% step time on pycode small, and one host sync per step: the
-    schedule reads whether the step was applied): ``True`` on, ``None`` on where the precision has
-    it (not bf16-true yet), ``False`` (default) off. A checkpoint that cannot be written (a full
+    bf16-mixed (or fp32) instead of raising; ``skip_nonfinite_steps`` makes fp32, bf16-mixed and
+    bf16-true skip an optimizer step whose gradients hold inf/NaN, as fp16 does (counted in
+    ``state.skipped_steps``, logged with the step numbers in ``skipped_steps_at``; ~2% step time
+    on pycode small, and one host sync per step: the schedule reads whether the step was applied):
+    ``True`` on, ``None`` on where the precision has it (every one), ``False`` (default) off. A checkpoint that cannot be written (a full
     disk, a quota) leaves the previous one complete; ``on_save_error="raise"`` (default) stops the
     run with an error naming the folder and the bytes needed, ``"warn"`` logs it and trains on to
     the next save. With ``precision="bf16-true"``,
