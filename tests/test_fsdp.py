@@ -333,3 +333,20 @@ def test_gradient_statistics_count_every_shard_once(tmp_path):
     res = launch(tmp_path / "inf", "--precision", "fp32", "--diagnostics", "--skip-nonfinite",
                  "--inf-rank", "1", "--inf-step", "1", "--steps", "2")
     assert [s["inp.weight"]["nan"] for s in res["grad_stats"]] == [0, 1]
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_changes_no_gradient_under_autocast_or_bf16_true(runs, tmp_path):
+    """Recompute in backward sees the dtypes of the first forward (PyTorch #148831 is the known
+    failure): with and without checkpointing the weights after every step's gradient are bit
+    for bit the same, under bf16-mixed's autocast and in bf16-true."""
+    root, r = runs
+    plain = launch(tmp_path / "bf16", "--precision", "bf16")
+    assert r["bf16"]["checkpointed_blocks"] == 3 and plain["checkpointed_blocks"] == 0
+    assert plain["losses"] == r["bf16"]["losses"]
+    a, b = weights(tmp_path / "bf16"), weights(root / "bf16")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for ac in ("", "--activation-checkpointing"):
+        launch(tmp_path / f"true{ac}", "--precision", "bf16-true", "--steps", "3", *([ac] if ac else []))
+    a, b = weights(tmp_path / "true"), weights(tmp_path / "true--activation-checkpointing")
+    assert all(torch.equal(a[k], b[k]) for k in a)
