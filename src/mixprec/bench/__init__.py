@@ -30,6 +30,7 @@ from .core import add_ratios as add_ratios
 from .core import drift_note as drift_note
 from .core import run_bench
 from .memory import memory_probe_main as memory_probe_main  # run by the CPU memory probe's subprocess
+from .memory import tensor_peak_bytes as tensor_peak_bytes
 from .syncs import HostSyncs, SyncEvent, count_host_syncs, host_side_tensors
 
 __all__ = ["BenchConfig", "run_bench", "DEFAULT_PRECISIONS", "COMPARE_NAMES",

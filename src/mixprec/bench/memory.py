@@ -31,7 +31,7 @@ def _proc_status_bytes(key: str) -> int | None:
     return None
 
 
-def _tensor_peak_bytes(prof: Any) -> int | None:
+def tensor_peak_bytes(prof: Any) -> int | None:
     """The most bytes of tensor storage alive at once while ``prof`` (``profile_memory=True``) ran:
     the CPU's counterpart of ``torch.cuda.max_memory_allocated``, from its allocation events."""
     try:
@@ -70,7 +70,7 @@ def memory_probe_main() -> None:
         runner.run_chunk(config.memory_steps)
     peak = _proc_status_bytes("VmHWM") if method == "VmHWM" else None
     peak = peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
-    print(json.dumps({"tensor_bytes": _tensor_peak_bytes(prof), "rss_bytes": max(0, peak - base),
+    print(json.dumps({"tensor_bytes": tensor_peak_bytes(prof), "rss_bytes": max(0, peak - base),
                       "method": method}))
 
 
