@@ -80,7 +80,9 @@ def runs(tmp_path_factory):
 
 def test_each_rank_holds_half_of_the_parameters_and_optimizer_state(runs):
     _, r = runs
-    for res in r.values():
+    for name, res in r.items():
+        print(f"{name}: rank 0 holds {res['param_fraction']:.3f} of the parameters and "
+              f"{res['state_fraction']:.3f} of the optimizer state (2 ranks)")
         assert res["num_processes"] == 2 and res["sharded"] and res["ranks_identical"]
         assert 0.45 < res["param_fraction"] < 0.55 and 0.45 < res["state_fraction"] < 0.55
     assert r["bf16"]["checkpointed_blocks"] == 3 and r["fp32"]["checkpointed_blocks"] == 0
