@@ -157,3 +157,89 @@ def test_the_trainer_guard_skips_a_nan_row_and_without_it_the_row_poisons_the_mo
         assert finite and trainer.state.skipped_steps == 1
     else:
         assert not finite
+
+
+def nan_rows(n, rows):
+    from toys import blobs
+
+    data = blobs(n)
+    for r in rows:
+        data[r]["features"] = data[r]["features"].clone()
+        data[r]["features"][1] = float("nan")
+    return data
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-true"])
+def test_skipped_steps_are_logged_by_number_once_per_log(tmp_path, capsys, precision):
+    """Rows 20, 45 and 61 hold NaN; in order, batches of 8 put them in steps 3, 6 and 8: the log at
+    step 4 names [3], the one at step 8 names [6, 8], in metrics.jsonl, log_history and one line each."""
+    import json
+
+    from mixprec import Trainer, TrainingArguments
+
+    from toys import Classifier
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=8, logging_steps=4,
+                             save_strategy="no", skip_nonfinite_steps=True, train_sampling_strategy="sequential",
+                             precision=precision)
+    torch.manual_seed(0)
+    trainer = Trainer(model=Classifier(), args=args, train_dataset=nan_rows(64, [20, 45, 61]))
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped_steps"], r["skipped_steps_at"]) for r in rows if "skipped_steps_at" in r] == [
+        (4, 1, [3]), (8, 3, [6, 8])]
+    assert [h["skipped_steps_at"] for h in trainer.state.log_history if "skipped_steps_at" in h] == [[3], [6, 8]]
+    captured = capsys.readouterr()
+    lines = [ln for ln in (captured.out + captured.err).splitlines() if "skipped for overflow" in ln]
+    assert len(lines) == 2 and "last log: step 3;" in lines[0] and "last log: steps 6, 8;" in lines[1], lines
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_skipped_step_numbers_logged_after_a_resume_include_those_before_the_checkpoint(tmp_path):
+    """Step 3 is skipped, checkpoint-5 is written, the run resumes from it: the log at step 8 names
+    [3, 7], as the uninterrupted run's does."""
+    import json
+
+    from mixprec import Trainer, TrainingArguments
+
+    from toys import Classifier
+
+    def train(out, resume=None):
+        args = TrainingArguments(output_dir=str(out), max_steps=8, per_device_train_batch_size=8, logging_steps=8,
+                                 save_steps=5, skip_nonfinite_steps=True, train_sampling_strategy="sequential",
+                                 disable_tqdm=True)
+        torch.manual_seed(0)
+        Trainer(model=Classifier(), args=args, train_dataset=nan_rows(64, [20, 50])).train(resume_from_checkpoint=resume)
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if "skipped_steps_at" in r]
+
+    full = train(tmp_path / "full")
+    resumed = train(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-5"))
+    assert [r["step"] for r in full] == [r["step"] for r in resumed] == [8]
+    assert full[-1]["skipped_steps_at"] == resumed[-1]["skipped_steps_at"] == [3, 7]
+
+
+def test_a_nan_row_is_reported_with_its_epoch_batch_position_and_dataset_index(tmp_path, caplog):
+    """Row 20 holds NaN; shuffled, it lands in some batch of each epoch: each skipped step's warning
+    names the epoch, the batch's position in it (which matches the step) and dataset index 20."""
+    import re
+
+    from mixprec import Trainer, TrainingArguments
+
+    from toys import Classifier
+
+    args = TrainingArguments(output_dir=str(tmp_path), num_train_epochs=2, per_device_train_batch_size=8,
+                             save_strategy="no", skip_nonfinite_steps=True, disable_tqdm=True, report_to="none")
+    torch.manual_seed(0)
+    trainer = Trainer(model=Classifier(), args=args, train_dataset=nan_rows(64, [20]))
+    with caplog.at_level("WARNING", logger="mixprec.trainer"):
+        trainer.train()
+    told = [r.getMessage() for r in caplog.records if "holds inf/NaN" in r.getMessage()]
+    assert len(told) == 2, told  # once per epoch: the row is seen once per epoch
+    found = [re.search(r"step (\d+) was skipped.*epoch (\d), batch (\d+) \(0-based\): inf/NaN in 'features' at "
+                       r"dataset indices \[20\]$", m) for m in told]
+    assert all(found), told
+    steps = [tuple(map(int, f.groups())) for f in found]
+    assert [e for _, e, _ in steps] == [0, 1]
+    assert all(step == epoch * 8 + position + 1 for step, epoch, position in steps)  # 8 batches per epoch
+    assert trainer.state.skipped_steps == 2

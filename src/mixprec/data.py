@@ -82,6 +82,7 @@ class _ShardedBatchSampler:
         self.skip = 0  # batches of this process's share to skip, on the next epoch only
         self.remainder = 0  # duplicated samples in the last round of the epoch, across processes
         self.n_batches = 0  # batches this process yields per epoch (known once an epoch started)
+        self.rounds: list[list[list[int]]] = []  # the current epoch's batches of indices, per process
 
     def _rounds(self) -> list[list[list[int]]]:
         batches = [list(b) for b in self.batch_sampler]
@@ -103,7 +104,7 @@ class _ShardedBatchSampler:
         return rounds
 
     def __iter__(self) -> Iterator[list[int]]:
-        rounds = self._rounds()
+        rounds = self.rounds = self._rounds()
         self.n_batches = len(rounds)
         skip, self.skip = self.skip, 0
         for r in rounds[skip:]:
@@ -198,6 +199,21 @@ class PreparedDataLoader:
 
     def __len__(self) -> int:
         return len(self._sharder) if self._sharder is not None else len(self.loader)
+
+    def batch_indices(self, position: int) -> list[int] | None:
+        """The dataset indices of batch ``position`` (0-based, skipped batches counted) of this
+        process's share of the current epoch, in the batch's row order; ``None`` where the sampler
+        does not tell them (an ``IterableDataset``, a loader without ``batch_size``).
+
+        Example:
+            >>> from mixprec import Accelerator
+            >>> dl = Accelerator(cpu=True).prepare(DataLoader(list(range(10)), batch_size=4))
+            >>> [b.tolist() for b in dl][-1], dl.batch_indices(2)
+            ([8, 9], [8, 9])
+        """
+        if self._sharder is None or not 0 <= position < len(self._sharder.rounds):
+            return None
+        return list(self._sharder.rounds[position][self._rank if self._world_size > 1 else 0])
 
     def set_epoch(self, epoch: int) -> None:
         """Make ``epoch`` the next epoch (its shuffle order is the one that epoch had), and

@@ -173,6 +173,15 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return self._skipped
 
     @property
+    def skip_flag(self) -> bool | torch.Tensor:
+        """Whether the last ``step()`` was skipped, without a sync: a ``bool`` where the host knows it
+        (a read already made, or no check in this precision), else a 0-dim device tensor, non-zero
+        when skipped, to read later (the Trainer reads a log's worth at once)."""
+        if self._skipped is None:
+            return self.hooks.precision().skip_flag(self.optimizer)
+        return self._skipped
+
+    @property
     def _is_overflow(self) -> bool:  # Accelerate's name for the flag; its tests set it
         return self.step_was_skipped
 

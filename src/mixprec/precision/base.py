@@ -173,6 +173,11 @@ class PrecisionPlugin:
         """How many of ``optimizer``'s steps were skipped for inf/NaN gradients."""
         return 0
 
+    def skip_flag(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
+        """Whether ``optimizer``'s last step was skipped, without a sync: a ``bool`` where the host
+        knows it, else a 0-dim device tensor, non-zero when skipped (read it later, e.g. once per log)."""
+        return False
+
     def grads_scaled_by(self, optimizer: torch.optim.Optimizer) -> Any:
         """What ``optimizer``'s gradients are multiplied by right now (``None``: their true values)."""
         return None

@@ -204,6 +204,14 @@ class MixedPrecision(PrecisionPlugin):
             flag[1] = bool(flag[0].item())
         return flag[1]
 
+    def skip_flag(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
+        """``optimizer``'s last found-inf flag as the host knows it (a read already made), else the
+        device tensor itself. No sync."""
+        flag = self._flags.get(id(optimizer))
+        if flag is None or flag[0] is None:
+            return False
+        return flag[1] if flag[1] is not None else flag[0]
+
     def skipped_steps(self, optimizer: torch.optim.Optimizer) -> int:
         """``optimizer``'s skipped steps. Syncs."""
         skips = self._skips.get(id(optimizer))

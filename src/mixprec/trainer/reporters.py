@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .callbacks import TrainerCallback
+from .nonfinite import describe_steps
 
 __all__ = ["ProgressCallback", "PrinterCallback", "JsonlLoggerCallback", "TensorBoardCallback", "format_metrics",
            "print_metrics", "write_metrics"]
@@ -24,8 +25,8 @@ def _fmt(v: Any) -> str:
 class ProgressCallback(TrainerCallback):
     """A tqdm bar over optimizer steps, showing loss, learning rate, loss scale and skipped steps.
 
-    Skipped steps are summarised once per log ("3 steps skipped for overflow since the last log,
-    scale 2048"), never one line per step.
+    Skipped steps are summarised once per log, by number ("3 steps skipped for overflow (inf/NaN
+    gradients) since the last log: steps 3, 4, 9; scale 2048"), never one line per step.
     """
 
     def __init__(self) -> None:
@@ -48,10 +49,11 @@ class ProgressCallback(TrainerCallback):
             return
         shown = {k: logs[k] for k in ("loss", "learning_rate", "loss_scale", "skipped_steps") if k in logs}
         self.bar.set_postfix({k: _fmt(v) for k, v in shown.items()}, refresh=False)
-        new = state.skipped_steps - self._skipped_at_last_log
+        at = logs.get("skipped_steps_at")
+        new = len(at) if at is not None else state.skipped_steps - self._skipped_at_last_log
         if new > 0:
-            self.bar.write(f"{new} step{'s' if new > 1 else ''} skipped for overflow since the last log, "
-                           f"scale {state.loss_scale:g}")
+            self.bar.write(f"{new} step{'s' if new > 1 else ''} skipped for overflow (inf/NaN gradients) since the "
+                           f"last log{': ' + describe_steps(at) if at else ''}; scale {state.loss_scale:g}")
         self._skipped_at_last_log = state.skipped_steps
         if any(k.startswith("eval_") for k in logs):
             self.bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in logs.items()))

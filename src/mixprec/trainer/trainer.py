@@ -49,6 +49,7 @@ from .checkpoints import (
 )
 from .data import collate, model_input_names, prepare_dataset
 from .evaluation import EvalPrediction, PredictionOutput, evaluation_loop, predict_batch
+from .nonfinite import SkipRecorder, find_nonfinite_inputs
 from .outputs import call_model, extract_loss
 from .reporters import (
     JsonlLoggerCallback,
@@ -382,6 +383,8 @@ class Trainer:
                         cb.purge_step = saved.global_step + 1
         self._loss_since_log = torch.tensor(self.state.loss_since_log, device=acc.device)
         self._steps_since_log = self.state.steps_since_log
+        self._skips = SkipRecorder(self.state.skipped_steps_since_log)  # read once per log
+        self._step_batches: list[tuple[int, int, Any]] = []  # this step's micro-batches, for a skip's report
         self._micro_in_step = 0
         self._preempted_at: int | None = None
         self._done = {"log": -1, "evaluate": -1, "save": -1}
@@ -438,6 +441,7 @@ class Trainer:
             if args.drift_steps and self.state.global_step % args.drift_steps == 0:
                 self._log_drift(model, batch)
         loss = self.training_step(model, batch) / args.gradient_accumulation_steps
+        self._step_batches.append((epoch, train_dl.batches_yielded - 1, batch))
         if args.logging_nan_inf_filter:
             # Hugging Face's filter: a non-finite loss counts as the mean of those since the last
             # log. On the device (torch.where), so the filter costs no host sync.
@@ -459,6 +463,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
         self._steps_since_log += 1
+        self._note_skip(train_dl)
         self.state.epoch = epoch + (train_dl.batches_yielded / self._batches_per_epoch if self._batches_per_epoch else 0)
         self._event("on_step_end")
         if self.state.global_step >= self.state.max_steps:  # stops even without DefaultFlowCallback
@@ -472,6 +477,15 @@ class Trainer:
                         "status %d (continue with resume_from_checkpoint=True)", self.state.global_step,
                         self.args.output_dir, PREEMPTED_EXIT_CODE)
         return True
+
+    def _note_skip(self, train_dl: Any) -> None:
+        """Record whether this step was skipped (read at the next log); if the host knows it was (the
+        schedule read the flag), look for inf/NaN in the step's input batches and say where they are."""
+        flag, batches, self._step_batches = self.optimizer.skip_flag, self._step_batches, []
+        self._skips.record(self.state.global_step, flag)
+        if flag is True:
+            for bad in find_nonfinite_inputs(batches, train_dl):
+                log.warning("mixprec: step %d was skipped: its input batch holds inf/NaN: %s", self.state.global_step, bad)
 
     def _log_drift(self, model: torch.nn.Module, batch: Any) -> None:
         """This batch's loss in fp32 beside the run's precision: what the lower precision costs."""
@@ -545,6 +559,8 @@ class Trainer:
             logs["grad_norm"] = float(self._grad_norm)
         logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
         logs.update(self._read_scaler_into_state())
+        if "skipped_steps" in logs:  # a precision that checks for inf/NaN: which steps it skipped
+            logs["skipped_steps_at"] = self._skips.take()
         if acc.monitor is not None:
             logs.update(acc.monitor.log_values())
         if not self._precision_reported:
@@ -603,6 +619,7 @@ class Trainer:
         self._read_scaler_into_state()
         self.state.loss_since_log = float(self._loss_since_log)
         self.state.steps_since_log = self._steps_since_log
+        self.state.skipped_steps_since_log = self._skips.steps()
         self.state.stateful_callbacks = export_states([*self.callback_handler.callbacks, self.control])
         files = {"trainer_state.json": self.state.to_json_string(),
                  "mixprec_trainer_state.json": self.state.mixprec_json_string(),

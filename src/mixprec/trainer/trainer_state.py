@@ -18,7 +18,8 @@ __all__ = ["TrainerState", "TrainerControl", "ExportableState", "export_states",
 
 # mixprec's own bookkeeping in TrainerState: saved beside trainer_state.json (in
 # mixprec_trainer_state.json), so that Hugging Face's TrainerState.load_from_json reads the file.
-MIXPREC_STATE_FIELDS = ("skipped_steps", "loss_scale", "precision", "total_loss", "loss_since_log", "steps_since_log")
+MIXPREC_STATE_FIELDS = ("skipped_steps", "loss_scale", "precision", "total_loss", "loss_since_log", "steps_since_log",
+                        "skipped_steps_since_log")
 
 
 @dataclass
@@ -59,6 +60,7 @@ class TrainerState:
     total_loss: float = 0.0
     loss_since_log: float = 0.0
     steps_since_log: int = 0
+    skipped_steps_since_log: list[int] = field(default_factory=list)  # their numbers, for the next log
 
     def compute_steps(self, args: Any, max_steps: int) -> None:
         """``logging_steps``, ``eval_steps``, ``save_steps`` from ``args``, fractions below 1 of ``max_steps``."""
