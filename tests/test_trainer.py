@@ -371,6 +371,16 @@ def test_skipped_steps_are_summarised_once_per_log_not_per_step(tmp_path, capsys
     lines = [ln for ln in (captured.out + captured.err).splitlines() if "skipped for overflow" in ln]
     assert 1 <= len(lines) <= 2 and "scale" in lines[0]
     assert trainer.state.skipped_steps >= 3
+    # Each log names the steps skipped since the previous one, as many as its count went up by.
+    logged = [h for h in trainer.state.log_history if "skipped_steps_at" in h]
+    before_step, before_count = 0, 0
+    for h in logged:
+        assert len(h["skipped_steps_at"]) == h["skipped_steps"] - before_count
+        assert all(before_step < s <= h["step"] for s in h["skipped_steps_at"]), h
+        before_step, before_count = h["step"], h["skipped_steps"]
+    assert sum(len(h["skipped_steps_at"]) for h in logged) >= 3
+    assert f"step{'s' if len(logged[0]['skipped_steps_at']) > 1 else ''} " + \
+        ", ".join(map(str, logged[0]["skipped_steps_at"])) in lines[0]
 
 
 def test_loss_scale_collapse_is_raised_through_the_trainer_with_the_fix(tmp_path):
