@@ -155,4 +155,6 @@ def test_a_checkpoint_write_that_fails_for_real_leaves_the_previous_one_and_says
     assert seen["previous_intact"] and seen["left_in_out"] == ["ckpt"]  # no staging debris
     # The Trainer with on_save_error="warn": both saves failed, training finished, nothing half-written.
     assert seen["trainer_steps"] == 4 and seen["left_in_run"] == []
-    assert proc.stderr.count("was not written: a file size limit was reached") == 2
+    # Rotation: checkpoint-4 failed after checkpoint-2 was complete; save_total_limit=1 kept checkpoint-2.
+    assert seen["left_after_rotation"] == ["checkpoint-2"] and seen["kept_complete"]
+    assert proc.stderr.count("was not written: a file size limit was reached") == 3

@@ -191,7 +191,7 @@ def save_accelerator_state(output_dir: Path, prepared: PreparedObjects, process:
     # The main process makes the staging folder; every process writes its own RNG state into it.
     tmp = Path(D.broadcast_object(str(ckpt.staging_dir(final)) if main else None))
     try:
-        torch.save(ckpt.rng_state(), tmp / f"random_states_{process.rank}.bin")
+        _torch_save(ckpt.rng_state(), tmp / f"random_states_{process.rank}.bin")
         futures = []
         if sharded:
             futures = save_sharded(tmp, [unwrap(m) for m in prepared.models], [o.optimizer for o in prepared.optimizers],
@@ -211,10 +211,10 @@ def save_accelerator_state(output_dir: Path, prepared: PreparedObjects, process:
                 if sharded and name == "optimizer":
                     continue  # in the DCP shards, beside their model's
                 for i, obj in enumerate(objs):
-                    torch.save(obj.state_dict(), tmp / f"{name}_{i}.bin")
+                    _torch_save(obj.state_dict(), tmp / f"{name}_{i}.bin")
             if precision_state:
-                torch.save(precision_state, tmp / "scaler.bin")
-            torch.save(meta, tmp / "accelerator.bin")
+                _torch_save(precision_state, tmp / "scaler.bin")
+            _torch_save(meta, tmp / "accelerator.bin")
             for name, content in extra_files.items():
                 (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
     except (OSError, safetensors.SafetensorError) as e:
@@ -241,6 +241,14 @@ def save_accelerator_state(output_dir: Path, prepared: PreparedObjects, process:
         pending.wait()
         D.barrier()
     return pending
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` through a Python file: a write that fails (a full disk, a file size limit, EIO)
+    raises ``OSError`` with its errno, where torch's own file writer turns it into a RuntimeError
+    ("unexpected pos ...") that names no cause."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 _FULL = {errno.ENOSPC: "the disk is full", errno.EFBIG: "a file size limit was reached",

@@ -1,4 +1,5 @@
-"""Checkpoint writes that fail for real: a file size limit (RLIMIT_FSIZE) makes the write fail with EFBIG.
+"""Checkpoint writes that fail for real: a file size limit (RLIMIT_FSIZE) makes the write fail with EFBIG
+(the Accelerator's save, the Trainer's, and the Trainer's rotation with save_total_limit=1).
 
     python full_disk.py OUT      # prints one JSON line of what it saw
 """
@@ -13,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mixprec import Accelerator, Trainer, TrainingArguments  # noqa: E402
+from mixprec import Accelerator, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from mixprec.checkpoint import verify_checkpoint  # noqa: E402
 
 from toys import Classifier, blobs  # noqa: E402
@@ -43,4 +44,23 @@ torch.manual_seed(0)
 result = Trainer(model=Classifier(hidden=2048), args=args, train_dataset=blobs(64)).train()
 seen["trainer_steps"] = result.global_step
 seen["left_in_run"] = sorted(p.name for p in (out / "run").iterdir())
+# Rotation (save_total_limit=1): the first save completes, then the limit drops and the next fails:
+# the last good checkpoint must still be there, complete.
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+
+
+class LimitAfterFirstSave(TrainerCallback):
+    def on_save(self, args, state, control, **kwargs):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200, hard))
+
+
+args = TrainingArguments(output_dir=str(out / "rot"), max_steps=4, save_steps=2, save_total_limit=1,
+                         per_device_train_batch_size=8, disable_tqdm=True, report_to="none", on_save_error="warn",
+                         use_cpu=True)
+torch.manual_seed(0)
+Trainer(model=Classifier(), args=args, train_dataset=blobs(64), callbacks=[LimitAfterFirstSave()]).train()
+resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+seen["left_after_rotation"] = sorted(p.name for p in (out / "rot").iterdir())
+seen["kept_complete"] = bool(verify_checkpoint(out / "rot" / "checkpoint-2"))
 print(json.dumps(seen))

@@ -46,7 +46,7 @@ if args.kill_in_save > 0:
 
     def dying_save(obj, f, *a, **k):
         real_save(obj, f, *a, **k)
-        if str(f).endswith("optimizer_0.bin"):
+        if str(getattr(f, "name", f)).endswith("optimizer_0.bin"):  # a path, or a file open on it
             saves["n"] += 1
             if saves["n"] == args.kill_in_save:
                 os.kill(os.getpid(), signal.SIGKILL)
