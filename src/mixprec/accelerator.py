@@ -106,11 +106,11 @@ class Accelerator(ProcessAPI):
             dict): with several processes, prepared models are sharded with FSDP2 under the
             precision's ``MixedPrecisionPolicy``, and checkpoints are written by every rank with
             ``torch.distributed.checkpoint`` (they load on any number of ranks).
-        skip_nonfinite_steps: in fp32 and bf16-mixed too, skip an optimizer step whose gradients
-            hold inf/NaN (the loss scaler's check at a scale pinned to 1: counted in
-            ``skipped_steps``, no host sync with fused optimizers, ``max_consecutive_skips`` in
-            ``loss_scaler=`` applies; ``"auto"``: where the precision has it, not bf16-true yet).
-            fp16 always skips them. Off by default, as in Accelerate; the Trainer turns it on.
+        skip_nonfinite_steps: in fp32, bf16-mixed and bf16-true too, skip an optimizer step whose
+            gradients hold inf/NaN (the loss scaler's check at a scale pinned to 1: counted in
+            ``skipped_steps``, no host sync with fused optimizers, one found-inf read per step in
+            bf16-true; ``max_consecutive_skips`` in ``loss_scaler=`` applies; ``"auto"``: where the
+            precision has it). fp16 always skips them. Off by default, as in Accelerate.
         step_scheduler_with_optimizer: a prepared scheduler steps with its optimizer, as many
             times per call as there are processes (a schedule written for one process's count
             of batches then ends on time), unless ``split_batches``. ``False``: it steps once

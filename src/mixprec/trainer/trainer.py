@@ -388,7 +388,7 @@ class Trainer:
         self._micro_in_step = 0
         self._preempted_at: int | None = None
         self._done = {"log": -1, "evaluate": -1, "save": -1}
-        self._precision_reported = False  # the first log says what precision is really in force
+        self._precision_reported = False  # the run's first log says what precision is really in force
         self._grad_norm = None
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # listed once, not per step
         start_time = time.time()
@@ -566,7 +566,8 @@ class Trainer:
         if not self._precision_reported:
             self._precision_reported = True
             report = acc.precision_report()  # observed in the steps so far, against the contract
-            logs["precision_in_force"] = report.line()
+            if not any("precision_in_force" in row for row in s.log_history):  # once per run, resumes included
+                logs["precision_in_force"] = report.line()
             if not report.ok and acc.is_main_process:
                 log.warning("mixprec: %s", report.line())
         if s.precision != acc.policy.name:  # a loss-scale collapse made the run fall back
