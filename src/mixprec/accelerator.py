@@ -27,6 +27,7 @@ from .diagnostics.monitor import DiagnosticsConfig, Monitor
 from .fallback import fallback_target, log_fallback
 from .fsdp import FullyShardedDataParallelPlugin, full_state_dict, is_sharded, shard_model
 from .hardware import default_device
+from .nested import tree_map
 from .precision import BF16TrueConfig, PrecisionPlugin, PrecisionPolicy, make_plugin, resolve_precision
 from .preemption import Preemption
 from .process_api import ProcessAPI
@@ -835,8 +836,4 @@ class Accelerator(ProcessAPI):
 
 
 def _truncate(data: Any, n: int) -> Any:
-    if isinstance(data, dict):
-        return type(data)({k: _truncate(v, n) for k, v in data.items()})
-    if isinstance(data, (list, tuple)) and not isinstance(data, torch.Tensor):
-        return type(data)(_truncate(v, n) for v in data)
-    return data[: len(data) - n]
+    return tree_map(lambda t: t[: len(t) - n], data)

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .nested import tree_map
+
 __all__ = ["fp32_modules_rule", "cast_for_bf16_true"]
 
 # _NormBase is the common base of BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm* and their
@@ -62,16 +64,8 @@ def fp32_modules_rule(module: nn.Module, *, embeddings: bool = False) -> bool:
 
 
 def _map_floats(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with ``fn`` applied to every floating tensor in it (through tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value) if value.is_floating_point() else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_map_floats(v, fn) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map_floats(v, fn) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _map_floats(v, fn)) for k, v in value.items())
-    return value
+    """``value`` with ``fn`` applied to every floating tensor in it (any container :mod:`mixprec.nested` walks)."""
+    return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
 
 
 class _SaveLow:

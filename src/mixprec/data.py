@@ -12,7 +12,6 @@ A prepared dataloader rebuilds the user's ``DataLoader`` around a batch sampler 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -20,34 +19,26 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
 
+from .nested import tree_map
+
 __all__ = ["send_to_device", "collate", "PreparedDataLoader"]
 
 
 def send_to_device(batch: Any, device: torch.device, non_blocking: bool = False, float_dtype: torch.dtype | None = None) -> Any:
     """Move every tensor nested in ``batch`` to ``device``, keeping the containers' types.
 
-    Handles dicts and other mappings (Hugging Face ``BatchEncoding`` included), lists, tuples and
-    named tuples, and dataclasses. ``float_dtype`` also casts floating-point tensors (bf16-true).
+    Handles what :func:`mixprec.nested.tree_map` walks: dicts and other mappings (Hugging Face
+    ``BatchEncoding`` included), lists, tuples and named tuples, and dataclasses (Hugging Face
+    ``ModelOutput`` too). ``float_dtype`` also casts floating-point tensors (bf16-true).
     """
-    if isinstance(batch, torch.Tensor):
-        if float_dtype is not None and batch.is_floating_point():
-            return batch.to(device=device, dtype=float_dtype, non_blocking=non_blocking)
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, Mapping):
-        moved = {k: send_to_device(v, device, non_blocking, float_dtype) for k, v in batch.items()}
-        try:
-            return type(batch)(moved)
-        except TypeError:
-            return moved
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(send_to_device(v, device, non_blocking, float_dtype) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(send_to_device(v, device, non_blocking, float_dtype) for v in batch)
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {f.name: send_to_device(getattr(batch, f.name), device, non_blocking, float_dtype)
-                   for f in dataclasses.fields(batch) if f.init}
-        return dataclasses.replace(batch, **changes)
-    return batch
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if float_dtype is not None and t.is_floating_point():
+            return t.to(device=device, dtype=float_dtype, non_blocking=non_blocking)
+        return t.to(device, non_blocking=non_blocking)
+
+    return tree_map(move, batch)
 
 
 def collate(samples: Any) -> Any:

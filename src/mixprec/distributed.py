@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .nested import tree_map
 
 __all__ = ["ProcessInfo", "init_from_env", "gather", "reduce", "broadcast_object", "barrier"]
 
@@ -90,18 +91,18 @@ def barrier() -> None:
 
 
 def gather(data: Any) -> Any:
-    """Concatenate ``data`` (a tensor, or dicts/lists/tuples of them) from every process along dim 0.
+    """Concatenate ``data`` (a tensor, or any container of them :mod:`mixprec.nested` walks) from
+    every process along dim 0, one collective per tensor.
 
     Every process must pass tensors of the same shape (mixprec's sharded dataloaders make the
     last batch the same size on every process for this reason). A 0-d tensor is gathered as a
     1-element one.
     """
-    if isinstance(data, Mapping):
-        return type(data)({k: gather(v) for k, v in data.items()})
-    if isinstance(data, (list, tuple)):
-        return type(data)(gather(v) for v in data)
-    if not isinstance(data, torch.Tensor):
-        raise TypeError(f"gather() takes tensors (or dicts/lists/tuples of them), got {type(data).__name__}")
+    return tree_map(_gather_tensor, data)
+
+
+def _gather_tensor(data: Any) -> torch.Tensor:
+    _check_tensor("gather", data)
     tensor = data.reshape(1) if data.dim() == 0 else data
     if not _active():
         return tensor
@@ -111,21 +112,25 @@ def gather(data: Any) -> Any:
 
 
 def reduce(data: Any, reduction: str = "sum") -> Any:
-    """Sum or average ``data`` (tensors, or dicts/lists/tuples of them) over every process."""
+    """Sum or average ``data`` (tensors, or any container of them :mod:`mixprec.nested` walks) over every process."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-    if isinstance(data, Mapping):
-        return type(data)({k: reduce(v, reduction) for k, v in data.items()})
-    if isinstance(data, (list, tuple)):
-        return type(data)(reduce(v, reduction) for v in data)
-    if not isinstance(data, torch.Tensor):
-        raise TypeError(f"reduce() takes tensors (or dicts/lists/tuples of them), got {type(data).__name__}")
+    return tree_map(lambda t: _reduce_tensor(t, reduction), data)
+
+
+def _reduce_tensor(data: Any, reduction: str) -> torch.Tensor:
+    _check_tensor("reduce", data)
     out = data.clone()
     if _active():
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         if reduction == "mean":
             out = out / dist.get_world_size()
     return out
+
+
+def _check_tensor(name: str, data: Any) -> None:
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{name}() takes tensors (or dicts/lists/tuples of them), got {type(data).__name__}")
 
 
 def broadcast_module_state(module: torch.nn.Module, src: int = 0) -> None:

@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 
+from ..nested import tree_map
+from ..outputs import extract_loss
+
 __all__ = ["precision_drift"]
 
 
@@ -113,15 +116,9 @@ def _enter(autocast: Any) -> contextlib.AbstractContextManager:
 
 
 def _loss_tensor(out: Any) -> torch.Tensor:
-    """The loss in ``out`` as a 0-d float32 tensor (duck-typed like the models: tensor, .loss, ["loss"])."""
-    loss = out
-    if not isinstance(out, (torch.Tensor, int, float)):
-        loss = getattr(out, "loss", None)
-        if loss is None and hasattr(out, "__getitem__"):
-            try:
-                loss = out["loss"]
-            except (KeyError, TypeError, IndexError):
-                loss = None
+    """The loss in ``out`` as a 0-d float32 tensor: a number, a one-element tensor, or a model
+    output holding one (found as everywhere else, by :func:`mixprec.outputs.extract_loss`)."""
+    loss = out if isinstance(out, (torch.Tensor, int, float)) else extract_loss(out)
     if isinstance(loss, (int, float)) and not isinstance(loss, bool):
         return torch.tensor(float(loss))
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -132,14 +129,8 @@ def _loss_tensor(out: Any) -> torch.Tensor:
     return loss.detach().float().reshape(())
 
 
-def _to_float32(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.is_floating_point() else obj
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_float32(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_to_float32(v) for v in obj)
-    return obj
+def _to_float32(batch: Any) -> Any:
+    return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
 
 
 def _rng_devices(tensors: list[torch.Tensor]) -> tuple[list[int], str]:

@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
+from ..nested import tree_leaves
+
 __all__ = ["OverflowTracer", "TraceEvent"]
 
-_MAX_DEPTH = 4  # how deep the tracer looks into nested outputs (tuples of dicts of dataclasses ...)
+_MAX_DEPTH = 4  # how deep the tracer looks into objects' attributes (the containers are walked whole)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,20 +188,15 @@ def _max_abs(t: torch.Tensor) -> torch.Tensor:
 
 
 def _tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
-    """The non-empty floating tensors in a module output: a tensor, a tuple/list/dict, or an
-    object (dataclass, model output) holding tensors as attributes."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() and obj.numel() and not obj.is_sparse else []
-    if depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
-        return []
-    if isinstance(obj, dict):
-        items = obj.values()
-    elif isinstance(obj, (list, tuple)):
-        items = obj
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
-        items = list(vars(obj).values())
-    else:
-        return []
-    return [t for item in items for t in _tensors(item, depth + 1)]
+    """The non-empty floating tensors in a module output: any container :mod:`mixprec.nested`
+    walks (tuples, dicts, dataclasses, model outputs), and other objects holding tensors as
+    attributes, looked into ``_MAX_DEPTH`` objects deep."""
+    found = []
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.is_floating_point() and leaf.numel() and not leaf.is_sparse:
+                found.append(leaf)
+        elif (depth < _MAX_DEPTH and hasattr(leaf, "__dict__")
+              and not isinstance(leaf, (torch.nn.Module, type, str, bytes, int, float, bool))):
+            found += _tensors(list(vars(leaf).values()), depth + 1)
+    return found

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from ..nested import tree_leaves, tree_map
 from .outputs import call_model, extract_logits, extract_loss, nested_concat, to_numpy
 
 __all__ = ["EvalPrediction", "PredictionOutput", "evaluation_loop", "predict_batch"]
@@ -120,13 +121,8 @@ def _with_last(items: Any) -> Any:
 
 
 def _batch_size(inputs: Any) -> int:
-    if isinstance(inputs, torch.Tensor):
-        return len(inputs)
-    values = inputs.values() if isinstance(inputs, dict) else inputs
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            return len(v)
-    return 1
+    """The length of the batch's first tensor with a dimension (1 when it has none)."""
+    return next((len(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0), 1)
 
 
 def _labels(inputs: Any, names: list[str]) -> Any:
@@ -137,6 +133,4 @@ def _labels(inputs: Any, names: list[str]) -> Any:
 
 
 def _cpu(x: Any) -> Any:
-    if isinstance(x, (tuple, list)):
-        return type(x)(_cpu(v) for v in x)
-    return x.detach().cpu()
+    return tree_map(lambda t: t.detach().cpu(), x)

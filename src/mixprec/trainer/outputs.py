@@ -1,4 +1,9 @@
-"""Calling duck-typed models and reading what they return."""
+"""Calling duck-typed models and reading what they return.
+
+The loss is found by :func:`mixprec.outputs.extract_loss` (re-exported here), the one rule every
+layer uses; this module adds what only the Trainer needs: the call, the logits, and gathering
+evaluation outputs into numpy arrays.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..nested import tree_map
+from ..outputs import extract_loss
 from ..wrappers import original_forward
 
 __all__ = ["call_model", "extract_loss", "extract_logits", "nested_concat", "to_numpy"]
@@ -43,20 +50,6 @@ def call_model(model: torch.nn.Module, inputs: Any, user_model: torch.nn.Module)
                          "model does not take), or pass a data_collator that builds the model's inputs") from e
 
 
-def extract_loss(outputs: Any) -> torch.Tensor | None:
-    """The loss in a model's output: a 0-d tensor, ``["loss"]``, ``.loss``, or a tuple's first item."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs if outputs.dim() == 0 else None
-    if isinstance(outputs, Mapping):
-        return outputs.get("loss")
-    loss = getattr(outputs, "loss", None)
-    if loss is not None:
-        return loss
-    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor) and outputs[0].dim() == 0:
-        return outputs[0]
-    return None
-
-
 def extract_logits(outputs: Any, ignore_keys: list[str]) -> Any:
     """Everything a model returned except the loss (one tensor, or a tuple of them)."""
     if isinstance(outputs, torch.Tensor):
@@ -87,16 +80,16 @@ def _pad_cat(parts: list[torch.Tensor], pad: int = -100) -> torch.Tensor:
 
 
 def nested_concat(parts: list[Any]) -> Any:
-    """Concatenate per-batch tensors (or tuples of them) along dim 0."""
-    if isinstance(parts[0], (tuple, list)):
-        return type(parts[0])(nested_concat([p[i] for p in parts]) for i in range(len(parts[0])))
-    return _pad_cat(parts)
+    """Concatenate per-batch tensors (or containers of them, all of one structure) along dim 0."""
+    return tree_map(lambda *xs: _pad_cat(list(xs)), parts[0], *parts[1:])
+
+
+def _numpy(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return np.asarray(x)
+    return (x.float() if x.is_floating_point() and x.dtype != torch.float64 else x).numpy()
 
 
 def to_numpy(x: Any) -> Any:
-    """Tensors (or tuples of them) as numpy arrays; bf16/fp16 become float32."""
-    if isinstance(x, (tuple, list)):
-        return type(x)(to_numpy(v) for v in x)
-    if x.is_floating_point() and x.dtype != torch.float64:
-        x = x.float()
-    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    """Tensors (or containers of them) as numpy arrays; bf16/fp16 become float32."""
+    return tree_map(_numpy, x)
