@@ -10,8 +10,9 @@ next to nothing; the same holds for embeddings, which some recipes keep fp32 too
 :func:`cast_for_bf16_true` casts the rest of the model to bf16 and wraps each kept module in
 hooks that give it fp32 inputs and hand bf16 outputs on, so the model still runs end to end on
 bf16 activations. A kept module that saves its fp32 input for backward (a LayerNorm does) has
-it stored as the bf16 original and cast up again in backward: exact, and on pycode ``small``
-(17 LayerNorms) it lowers bf16-true's peak tensor memory by ~31 MiB of ~593.
+it stored as the bf16 original and cast up again in backward: exact, and it saves the memory of
+an fp32 copy per kept module (the figure measured on pycode ``small`` is in
+``benchmarks/RESULTS.md``, "Figures moved out of docstrings").
 """
 
 from __future__ import annotations

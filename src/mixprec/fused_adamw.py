@@ -4,8 +4,9 @@ The foreach update reads and writes every parameter-sized tensor about twenty ti
 (each ``torch._foreach_*`` op is its own loop on the CPU, and the fp32 copies of the weights go
 in and out of a scratch buffer). Written as one elementwise function and compiled by
 ``torch.compile`` (Inductor), the same update reads the weight, gradient, moments and
-compensation once and writes them once: on pycode ``small`` (25.4M parameters, 2-core CPU) the
-step takes ~37 ms instead of ~126 ms (torch's fused fp32 AdamW: ~14 ms).
+compensation once and writes them once, several times faster than the foreach update on the CPU
+(the step times, and their command, are in ``benchmarks/RESULTS.md``, "Figures moved out of
+docstrings").
 
 Why generated rather than written by hand: a C++/CUDA extension would have to be built at install
 time for every platform, while Inductor already turns the function into vectorised C++ (CPU) or
@@ -25,19 +26,17 @@ from __future__ import annotations
 
 import threading
 import types
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 # Below this many elements in one (device, dtype) bucket the per-process compile (a few seconds)
-# does not pay for itself within a short run; measured saving on the CPU: ~3.5 ns per element per step.
+# does not pay for itself within a short run (the measured saving per element is in benchmarks/RESULTS.md).
 AUTO_MIN_NUMEL = 1 << 22
 
 _lock = threading.Lock()
 _kernels: dict[tuple[str, torch.dtype, torch.dtype, torch.dtype], Callable[..., None]] = {}
-_failure: str | None = None  # why compiling failed once in this process (auto mode then stays off)
 
 # A counter-based hash (the "lowbias32" mixer's structure with multipliers below 2**31, so that
 # every product fits in int64): 32 well-mixed bits per (index, seed).
@@ -91,17 +90,12 @@ def _kernel_for(key: tuple[str, torch.dtype, torch.dtype, torch.dtype]) -> Calla
     return torch.compile(kernel, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
 
 
-def available() -> bool:
-    """False once compiling has failed in this process (auto mode then uses the foreach update)."""
-    return _failure is None
-
-
 def step(how: str, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
          exp_avg_sqs: list[torch.Tensor], comps: list[torch.Tensor | None], hypers: list[torch.Tensor],
-         seeds: list[torch.Tensor], *, required: bool) -> bool:
-    """Update every parameter with the compiled kernel; False (nothing changed) if it cannot be
-    compiled here and ``required`` is False. Raises with the compiler's error when ``required``."""
-    global _failure
+         seeds: list[torch.Tensor], *, required: bool) -> str | None:
+    """Update every parameter with the compiled kernel and return ``None``; or, if it cannot be
+    compiled here and ``required`` is False, return why (nothing changed: the caller decides what
+    to do, for its own optimizer only). Raises with the compiler's error when ``required``."""
     first = True
     unused = torch.empty(0, dtype=params[0].dtype, device=params[0].device) if params else None
     for p, g, m, v, c, hyper, seed in zip(params, grads, exp_avgs, exp_avg_sqs, comps, hypers, seeds):
@@ -118,12 +112,12 @@ def step(how: str, params: list[torch.Tensor], grads: list[torch.Tensor], exp_av
         try:
             kernel(*args)  # the first call compiles; a failure here has changed nothing yet
         except Exception as exc:  # noqa: BLE001 - any compiler failure means "use the foreach update"
+            with _lock:  # a later optimizer compiles afresh rather than calling a kernel that failed
+                if _kernels.get(key) is kernel:
+                    del _kernels[key]
             if required:
                 raise RuntimeError(f"AdamW(fused=True) could not compile its update kernel here ({exc}); "
                                    "pass fused=None (falls back to the foreach update) or fused=False") from exc
-            _failure = f"{type(exc).__name__}: {exc}"
-            warnings.warn("mixprec.optim.AdamW: compiling the fused bf16 update failed, using the foreach "
-                          f"update instead ({_failure.splitlines()[0][:200]})", RuntimeWarning, stacklevel=3)
-            return False
+            return f"{type(exc).__name__}: {exc}"
         first = False
-    return True
+    return None

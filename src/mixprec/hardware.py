@@ -101,8 +101,8 @@ def _cpu_capability() -> DeviceCapability:
         reasons["fp16-mixed"] = ("this CPU has no AMX-FP16, so fp16 matrix products run no faster than fp32 "
                                  "(AVX512-FP16 speeds up element-wise work only)")
     elif not fp16:
-        # Measured (torch 2.13, 2-core AMD EPYC with AVX512-BF16): fp16 matmuls at 0.6-3 GFLOP/s
-        # against fp32's 100-125 and bf16's 190-380: torch falls back to a generic kernel.
+        # torch falls back to a generic fp16 matmul kernel here: the measured rates behind "40-200x"
+        # are in benchmarks/RESULTS.md ("Figures moved out of docstrings").
         reasons["fp16-mixed"] = impractical["fp16-mixed"] = (
             "this CPU has neither AMX-FP16 nor AVX512-FP16, so fp16 matrix products fall back to a generic "
             "kernel that runs 40-200x slower than fp32; use bf16-mixed")

@@ -12,28 +12,20 @@ with one of two fixes:
 
 ``"none"`` rounds to nearest, as ``torch.optim.AdamW`` does on bf16 parameters (the control).
 
-Why written here rather than wrapped. Measured on the 2-core dev CPU (torch 2.13.0+cpu, one
-thread): the loss on ``tests/test_optim.py``'s AdamW regression problem (start 2.563, fp32 run
-1.095), and the median ``step()`` time on a 1.05M-parameter, 24-tensor stack, as a ratio to
-``torch.optim.AdamW(foreach=True)`` on the same bf16 parameters (which stalls: loss 2.563):
-
-* ``torch-optimi`` 0.3.3 installs and works on CPU: ``optimi.AdamW(kahan_sum=True)`` reaches 1.084
-  at x1.05-1.6 (its foreach path: x1.3-1.7, deprecated there for Triton, which is CUDA-only). But
-  its moments always have the parameters' dtype (bf16 here, where ``v * 0.999`` rounds back to
-  ``v``), it has no stochastic rounding, and it overwrites ``p.grad`` as scratch space.
-* ``torchao`` 0.18 works on CPU too: ``torchao.optim._AdamW(bf16_stochastic_round=True)``, a
-  private name (no public bf16 AdamW, no SGD), reaches 1.179, but ``torch.compile``s a kernel
-  per parameter shape (29 s before the first step, cold), then runs at x5.2-5.5, and draws its
-  random bits from the global RNG only.
-
-Here, with fp32 moments: Kahan 1.084 at x1.4, stochastic 1.161 at x1.9-2.0 (x1.8 and x2.6-3.0 with bf16
-moments); fp32 parameters run at torch's fp32 AdamW speed.
+Why written here rather than wrapped: the bf16 AdamW of ``torch-optimi`` keeps its moments in
+the parameters' dtype (bf16, where ``v * 0.999`` rounds back to ``v``), has no stochastic
+rounding and overwrites ``p.grad`` as scratch space; ``torchao``'s is a private name (no public
+bf16 AdamW, no SGD), compiles a kernel per parameter shape and draws its random bits from the
+global RNG only. The losses and step times they and these optimizers reached, and how they were
+measured, are in ``benchmarks/RESULTS.md`` ("Figures moved out of docstrings"). fp32 parameters
+get torch's own AdamW update.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from itertools import chain
@@ -295,8 +287,9 @@ class AdamW(_CompensatedOptimizer):
         fused: the update of bf16/fp16 weights as one compiled kernel per parameter
             (:mod:`mixprec.fused_adamw`: weight, gradient, moments and compensation read and
             written once) instead of ``torch._foreach_*`` ops. ``None`` (default) picks it on the
-            CPU for buckets of at least 4M elements and falls back, with a warning, if compiling
-            fails; ``True`` forces it (a failure to compile raises); ``False`` never. Under
+            CPU for buckets of at least 4M elements and, if compiling fails, falls back to the
+            foreach update for this optimizer only, with a warning (``fused_failure`` then says
+            why; other optimizers in the process still try); ``True`` forces it (a failure to compile raises); ``False`` never. Under
             ``torch.compile`` or a Python torch-function/dispatch mode (a FLOP or sync counter)
             the foreach update runs: the same update, op by op.
 
@@ -315,6 +308,9 @@ class AdamW(_CompensatedOptimizer):
         _check(fused in (None, True, False), f"fused must be None, True or False, got {fused!r}; "
                                              "None picks the fused update where it pays off")
         self.fused = fused
+        #: Why compiling the fused update failed for this optimizer (it then uses the foreach update
+        #: for the rest of its life; other optimizers still try), or ``None``.
+        self.fused_failure: str | None = None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         compensation=compensation, state_dtype=state_dtype)
         super().__init__(params, defaults, generator)
@@ -335,7 +331,7 @@ class AdamW(_CompensatedOptimizer):
             return True
         # Auto: on the CPU, where it was measured faster, and for buckets large enough that the
         # one-time compile pays off within a short run.
-        return (device.type == "cpu" and fused_adamw.available()
+        return (device.type == "cpu" and self.fused_failure is None
                 and sum(p.numel() for p in params) >= fused_adamw.AUTO_MIN_NUMEL)
 
     def _step_bucket(self, group: dict[str, Any], params: list[torch.Tensor], device: torch.device,
@@ -364,9 +360,13 @@ class AdamW(_CompensatedOptimizer):
         else:
             seeds = [torch.zeros((), dtype=torch.int64, device=device)] * len(params)
         state = [self.state[p] for p in params]
-        done = fused_adamw.step(how, params, [p.grad for p in params], [s["exp_avg"] for s in state],
-                                 [s["exp_avg_sq"] for s in state], comps, hypers, seeds, required=bool(self.fused))
-        if not done:
+        failure = fused_adamw.step(how, params, [p.grad for p in params], [s["exp_avg"] for s in state],
+                                   [s["exp_avg_sq"] for s in state], comps, hypers, seeds, required=bool(self.fused))
+        if failure is not None:
+            self.fused_failure = failure
+            warnings.warn("mixprec.optim.AdamW: compiling the fused bf16 update failed, so this optimizer uses the "
+                          "foreach update from now on (other optimizers still try the fused one; fused=False skips "
+                          f"it): {failure.splitlines()[0][:200]}", RuntimeWarning, stacklevel=4)
             for p in fresh:  # leave the state as the foreach update expects to find it
                 self.state[p].clear()
             super()._step_bucket(group, params, device, dtype)
@@ -392,7 +392,7 @@ class AdamW(_CompensatedOptimizer):
         if group["weight_decay"]:
             torch._foreach_mul_(w32, 1 - lr * group["weight_decay"])  # decoupled, as torch's AdamW
         # The moments are updated where they live; each op computes in fp32 and, for bf16 state,
-        # rounds once on the way back (fp32 copies and back: x2.9 of torch's step time, not x1.8).
+        # rounds once on the way back (fp32 copies and back measured much slower: benchmarks/RESULTS.md).
         torch._foreach_lerp_(exp_avgs, _as(g32, sdt), 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, g32, g32, 1 - beta2)
