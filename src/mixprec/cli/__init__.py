@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import warnings
+from collections.abc import Iterator
 
 from . import bench, demo, doctor, env, train
 
@@ -31,11 +34,29 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     print(f"mixprec: warning: {message}", file=file or sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the ``mixprec`` command line; returns the exit code."""
-    import warnings
-
+@contextlib.contextmanager
+def _warnings_as_sentences() -> Iterator[None]:
+    """Show warnings as ``mixprec: warning: ...`` while the command runs, and put back the
+    process's own ``warnings.showwarning`` after it (``main`` may be called from a program)."""
+    previous = warnings.showwarning
     warnings.showwarning = _show_warning
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``mixprec`` command line; returns the exit code.
+
+    While it runs, warnings print as one ``mixprec: warning: ...`` line on stderr; the process's
+    ``warnings.showwarning`` is restored when it returns or raises.
+    """
+    with _warnings_as_sentences():
+        return _run(argv)
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # A config file comes right after the command; the --flags after it may be overrides that
