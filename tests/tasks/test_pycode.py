@@ -142,7 +142,7 @@ def test_unknown_size_lists_the_valid_ones():
 
 
 def test_unknown_option_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"the options are \['max_bytes', 'eval_max_bytes', 'root'\]"):
+    with pytest.raises(ValueError, match=r"the options are \['size', 'max_bytes', 'eval_max_bytes', 'root'\]"):
         get_task("pycode", "tiny", max_byte=10)
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from mixprec.tasks import Task, get_task, list_tasks, load_factory
+from mixprec.tasks import TASKS, Task, get_task, list_tasks, load_factory, load_task
 
 
 def test_unknown_task_name_lists_the_built_in_ones():
@@ -55,3 +55,22 @@ def test_load_factory_rejects_a_malformed_spec_with_the_expected_form(spec):
 def test_load_factory_rejects_an_object_that_is_not_callable():
     with pytest.raises(TypeError, match="not a callable factory"):
         load_factory("mixprec.tasks.pycode:PYCODE_SIZES")
+
+
+def test_each_registry_entry_takes_its_builders_parameters_as_options():
+    assert TASKS["pycode"].variant == "size" and TASKS["pycode"].variants == ("tiny", "mini", "small")
+    assert list(TASKS["pycode"].options) == ["size", "max_bytes", "eval_max_bytes", "root"]
+    assert TASKS["digits"].variant == "arch" and list(TASKS["digits"].options) == ["arch", "seed"]
+    assert TASKS["pycode"].defaults["size"] == "mini" and TASKS["digits"].defaults["arch"] == "mlp"
+
+
+def test_get_task_and_load_task_build_the_same_registered_task():
+    assert get_task("digits", arch="cnn").name == load_task("digits", arch="cnn").name == "digits/cnn"
+    with pytest.raises(ValueError, match=r"unknown digits arch 'resnet'; choose one of \['mlp', 'cnn'\]"):
+        TASKS["digits"](arch="resnet")
+
+
+def test_load_factory_is_importable_from_its_own_module_and_the_package():
+    from mixprec.tasks.factory import load_factory as own
+
+    assert own is load_factory

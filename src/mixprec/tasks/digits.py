@@ -7,7 +7,7 @@ over the 64 pixels and a small CNN over the ``[1, 8, 8]`` image.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,8 +17,10 @@ from torch import nn
 
 from mixprec.data import collate
 from mixprec.tasks._output import ClassifierOutput
+from mixprec.tasks.task import Task
 
-__all__ = ["NUM_CLASSES", "load_digits_split", "DigitsDataset", "DigitsMLP", "DigitsCNN", "accuracy", "collate"]
+__all__ = ["NUM_CLASSES", "DIGITS_ARCHS", "load_digits_split", "DigitsDataset", "DigitsMLP", "DigitsCNN", "accuracy",
+           "collate", "digits_task"]
 
 NUM_CLASSES = 10
 SPLITS = ("train", "validation")
@@ -189,3 +191,34 @@ def _to_numpy(values: np.ndarray | torch.Tensor) -> np.ndarray:
         # numpy has no bfloat16; widen floating tensors before converting.
         return (values.float() if values.is_floating_point() else values).numpy()
     return np.asarray(values)
+
+
+DIGITS_ARCHS: dict[str, Callable[[], nn.Module]] = {"mlp": DigitsMLP, "cnn": DigitsCNN}
+
+
+def digits_task(arch: str = "mlp", *, seed: int = 0) -> Task:
+    """The digits :class:`Task`: a classifier (``arch``, a key of :data:`DIGITS_ARCHS`) of the 8x8 digits.
+
+    Reached through ``get_task("digits", arch=...)``, which checks the options first.
+
+    Args:
+        arch: ``"mlp"`` over the 64 pixels, or ``"cnn"`` over the ``[1, 8, 8]`` image.
+        seed: Seed of the train/validation split.
+    """
+    image = arch == "cnn"
+    return Task(
+        name=f"digits/{arch}",
+        build_model=DIGITS_ARCHS[arch],
+        train_dataset=DigitsDataset("train", image=image, seed=seed),
+        eval_dataset=DigitsDataset("validation", image=image, seed=seed),
+        compute_metrics=_digits_metrics,
+        metric_name="accuracy",
+        greater_is_better=True,
+        description=f"scikit-learn's 8x8 handwritten digits, {arch.upper()} classifier",
+    )
+
+
+def _digits_metrics(eval_pred: Any) -> dict[str, float]:
+    predictions = eval_pred.predictions
+    predictions = predictions[0] if isinstance(predictions, tuple) else predictions
+    return {"accuracy": accuracy(np.asarray(predictions), np.asarray(eval_pred.label_ids))}

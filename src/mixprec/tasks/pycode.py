@@ -12,17 +12,22 @@ versions, so compare losses only between runs on the same interpreter.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mixprec.data import collate
-from mixprec.tasks.gpt import GPTConfig
+from mixprec.tasks.gpt import GPT, GPTConfig
+from mixprec.tasks.task import Task
 
 __all__ = [
     "PYCODE_SIZES",
@@ -36,6 +41,7 @@ __all__ = [
     "collate",
     "bits_per_byte",
     "generate_sample",
+    "pycode_task",
 ]
 
 PYCODE_SIZES: dict[str, GPTConfig] = {
@@ -245,3 +251,53 @@ def generate_sample(model: nn.Module, prompt: str | bytes = "def ", max_new_toke
 def _check_split(split: str) -> None:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {list(SPLITS)}")
+
+
+def pycode_task(size: str = "mini", *, max_bytes: int = DEFAULT_MAX_BYTES, eval_max_bytes: int = DEFAULT_EVAL_MAX_BYTES,
+                root: str | os.PathLike[str] | None = None) -> Task:
+    """The pycode :class:`Task`: a byte-level GPT of ``size`` on the standard library's source.
+
+    Reached through ``get_task("pycode", size, ...)``, which checks the options first.
+
+    Args:
+        size: A key of :data:`PYCODE_SIZES`.
+        max_bytes: Bytes of training text read.
+        eval_max_bytes: Bytes of validation text read.
+        root: A directory of ``.py`` files to read instead of the standard library.
+    """
+    config = PYCODE_SIZES[size]
+    train = load_pycode_bytes("train", max_bytes, root)
+    val = load_pycode_bytes("validation", eval_max_bytes, root)
+    return Task(
+        name=f"pycode/{size}",
+        build_model=functools.partial(GPT, config),
+        train_dataset=ByteBlockDataset(train, config.block_size),
+        eval_dataset=ByteBlockDataset(val, config.block_size),
+        compute_metrics=_pycode_metrics,
+        metric_name="bits_per_byte",
+        greater_is_better=False,
+        preprocess_logits_for_metrics=_token_nll,
+        description=(f"byte-level GPT ({config.n_layer} layers, width {config.n_embd}, context "
+                     f"{config.block_size}) on {train.numel():,} bytes of Python stdlib source"),
+    )
+
+
+def _token_nll(logits: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
+    """Per-position next-byte cross-entropy ``[batch, time - 1]`` (0 where the label is -100)."""
+    if isinstance(logits, tuple):  # Hugging Face passes a tuple when a model returns more outputs.
+        logits = logits[0]
+    return F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:].long(),
+                           ignore_index=-100, reduction="none")
+
+
+def _pycode_metrics(eval_pred: Any) -> dict[str, float]:
+    """Mean next-byte loss (nats) and bits per byte, from per-token losses or from raw logits."""
+    predictions = eval_pred.predictions
+    predictions = predictions[0] if isinstance(predictions, tuple) else predictions
+    labels = torch.as_tensor(np.asarray(eval_pred.label_ids))
+    values = torch.as_tensor(np.asarray(predictions))
+    # Without the preprocess hook the trainer keeps raw logits [n, time, vocab]; reduce them here.
+    nll = _token_nll(values, labels) if values.dim() == 3 else values.float()
+    mask = labels[:, 1:] != -100
+    loss = float(nll[mask].sum() / mask.sum().clamp(min=1))
+    return {"loss": loss, "bits_per_byte": float(bits_per_byte(loss))}
