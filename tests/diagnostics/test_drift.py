@@ -113,3 +113,19 @@ def test_a_loss_that_is_not_a_scalar_raises_an_error_that_says_what_to_return():
 def test_both_passes_see_the_same_random_draws_so_no_autocast_means_no_drift():
     out = precision_drift(_model(), _batch(), _loss, torch.autocast("cpu", enabled=False))
     assert out["rel_diff"] == 0.0 and out["loss_fp32"] == out["loss_mixed"]
+
+
+def test_the_fp32_copy_gets_float32_inputs_from_named_tuples_and_mappings_too():
+    import collections
+
+    Batch = collections.namedtuple("Batch", "x y")
+    seen = []
+
+    def loss(m, batch):
+        seen.append(batch.x.dtype)
+        return {"loss": torch.nn.functional.mse_loss(m(batch.x.to(next(m.parameters()).dtype)).float(), batch.y)}
+
+    x, y = _batch()
+    model = _model().to(torch.bfloat16)
+    precision_drift(model, Batch(x.bfloat16(), y), loss, _bf16())  # the loss comes back as {"loss": ...}
+    assert seen[0] == torch.float32  # the fp32 pass: a namedtuple used to keep its bf16 tensor

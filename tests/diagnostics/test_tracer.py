@@ -170,3 +170,21 @@ def test_hooks_change_no_output_and_no_gradient():
 def test_invalid_threshold_raises_an_error_that_states_the_range():
     with pytest.raises(ValueError, match=r"threshold must be a number in \(0, 1\]"):
         OverflowTracer(torch.nn.Linear(2, 2), threshold=2.0)
+
+
+class UserDictOut(torch.nn.Module):
+    """Returns a UserDict holding an object whose attribute is the tensor (neither a dict nor a dataclass)."""
+
+    def forward(self, x):
+        import collections
+        import types
+        return collections.UserDict(hidden=types.SimpleNamespace(big=x * 1e5))
+
+
+def test_tensors_inside_mappings_and_attributes_of_plain_objects_are_traced():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), UserDictOut())
+    with OverflowTracer(model) as tracer:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(torch.ones(2, 4))
+        event = tracer.end_step(0)
+    assert (event.module_path, event.kind, event.nonfinite) == ("1", "forward", True)
