@@ -1,9 +1,13 @@
-"""What ``mixprec bench`` trains: :class:`BenchConfig`, and the job (model, data, batches) it builds."""
+"""What ``mixprec bench`` trains: :class:`BenchConfig`, and the :class:`Job` (a Task and its batches) it builds.
+
+The task comes from :func:`mixprec.tasks.load_task`, the loader ``mixprec train`` and ``doctor`` use
+too; the built-in tasks, their sizes and architectures are those of :data:`mixprec.tasks.TASKS`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -11,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from ..optim import COMPENSATIONS
 from ..precision import BF16TrueConfig, canonical_precision
+from ..tasks import PYCODE_SIZES, TASKS, Task, TaskEntry, load_task
 
 __all__ = ["BenchConfig", "DEFAULT_PRECISIONS", "COMPARE_NAMES"]
 
@@ -18,7 +23,6 @@ DEFAULT_PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16-true")
 COMPARE_NAMES = ("torch", "trainer", "hf", "accelerate")
 _COMPARE_MEANING = ("torch: the hand-written torch.autocast loop, trainer: mixprec's Trainer, hf: the Hugging Face "
                     "Trainer, accelerate: Hugging Face Accelerate")
-_TASKS = ("pycode", "digits")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,11 +30,13 @@ class BenchConfig:
     """What ``mixprec bench`` measures.
 
     Args:
-        task: ``"pycode"`` or ``"digits"`` (ignored when ``model`` and ``data`` are given).
+        task: a key of :data:`mixprec.tasks.TASKS`, ``"pycode"`` or ``"digits"`` (ignored when
+            ``model`` and ``data`` are given).
         size: pycode's size, ``"tiny"``, ``"mini"`` (default) or ``"small"``.
         arch: digits' model, ``"mlp"`` or ``"cnn"``.
         model: ``"module:factory"`` of a model whose forward returns ``.loss``; with ``data``.
-        data: ``"module:factory"`` returning a dataset or a ``(train, eval)`` pair.
+        data: ``"module:factory"`` returning :data:`mixprec.tasks.DATA_CONTRACT` (without an eval
+            split, the eval loss is measured on the training data).
         precisions: the precisions to compare (names or aliases; canonical ones are kept);
             ``None`` (default): those of :data:`DEFAULT_PRECISIONS` that the device runs at a useful
             speed (fp16-mixed is left out, with a note, on a CPU that has no fp16 matrix kernel).
@@ -89,17 +95,10 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if (self.model is None) != (self.data is None):
             raise ValueError("a custom task needs both model= and data= ('module:factory' each), or neither")
-        if self.model is None and self.task not in _TASKS:
-            raise ValueError(f"unknown task {self.task!r}; choose one of {list(_TASKS)}, or give model= and data=")
-        from ..tasks import PYCODE_SIZES
-
-        if self.size is not None and (self.task != "pycode" or self.model is not None):
-            raise ValueError(f"size= is pycode's option ({', '.join(PYCODE_SIZES)}); drop it for "
-                             f"{self.model or self.task}")
-        if self.size is not None and self.size not in PYCODE_SIZES:
-            raise ValueError(f"unknown pycode size {self.size!r}; choose one of {', '.join(PYCODE_SIZES)}")
-        if self.arch not in ("mlp", "cnn"):
-            raise ValueError(f"unknown digits arch {self.arch!r}; choose mlp or cnn")
+        if self.model is None and self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose one of {list(TASKS)}, or give model= and data=")
+        _check_variants(None if self.model is not None else TASKS[self.task], self.size, self.arch,
+                        self.model or self.task)
         for name in ("steps", "rounds", "batch_size", "eval_batches", "memory_steps"):
             _check_int(name, getattr(self, name), 1)
         _check_int("warmup", self.warmup, 0)
@@ -124,6 +123,19 @@ class BenchConfig:
             except (RuntimeError, TypeError) as exc:
                 raise ValueError(f"device {self.device!r} is not a device name; use e.g. 'cpu', 'cuda' or 'cuda:0'"
                                  ) from exc
+
+
+def _check_variants(entry: TaskEntry | None, size: str | None, arch: str, what: str) -> None:
+    """``size=`` and ``arch=`` against the registry: each the variant of the tasks that take it."""
+    sized = {n: e for n, e in TASKS.items() if e.variant == "size"}
+    if size is not None and (entry is None or entry.variant != "size"):
+        sizes = sorted({v for e in sized.values() for v in e.variants}, key=str)
+        raise ValueError(f"size= is {' and '.join(sized)}'s option ({', '.join(sizes)}); drop it for {what}")
+    if size is not None:
+        entry.check({"size": size})
+    archs = [v for e in TASKS.values() if e.variant == "arch" for v in e.variants]
+    if arch not in archs:
+        raise ValueError(f"unknown digits arch {arch!r}; choose {' or '.join(archs)}")
 
 
 def _names(value: str | tuple[str, ...], choices: tuple[str, ...], what: str, meaning: str) -> tuple[str, ...]:
@@ -152,59 +164,76 @@ def _check_int(name: str, value: Any, low: int) -> None:
 
 
 # -- the job ------------------------------------------------------------------------------------
-@dataclasses.dataclass(kw_only=True)
-class Job:
-    name: str
-    build_model: Callable[[], torch.nn.Module]
-    train: Any
-    eval: Any
-    collate_fn: Callable[[Any], Any]
-    description: str = ""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Job(Task):
+    """A :class:`~mixprec.tasks.Task` as the bench runs it, and the loaders its runners share.
+
+    Unlike a Task it always has an eval split (the training data where the task has none) and a
+    ``collate_fn`` (a user's data is adapted for whole-batch fetching, as the Trainer does).
+    ``train`` and ``eval`` are the two datasets.
+    """
+
+    @classmethod
+    def of(cls, task: Task, config: BenchConfig) -> Job:
+        """The bench's job for ``task``: every field kept, the gaps filled.
+
+        Raises:
+            ValueError: when the training set has fewer samples than one batch.
+        """
+        fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(Task)}
+        if task.eval_dataset is None:
+            fields.update(eval_dataset=task.train_dataset,
+                          description=task.description + " (eval loss on the training data)")
+        if task.collate_fn is None:
+            from ..trainer.data import collate, prepare_dataset
+
+            probe = task.build_model()
+            # Whole batches by tensor indexing where the data allows it (the Trainer's batched fetch).
+            fast = {k: prepare_dataset(fields[k], probe, remove_unused_columns=False, label_names=[],
+                                       custom_collator=False) for k in ("train_dataset", "eval_dataset")}
+            fields.update(fast, collate_fn=collate)
+        job = cls(**fields)
+        if len(job.train) < config.batch_size:
+            raise ValueError(f"the training set has {len(job.train)} samples, fewer than batch_size="
+                             f"{config.batch_size}; use a smaller batch size")
+        return job
+
+    @property
+    def train(self) -> Any:
+        """The training samples (``train_dataset``)."""
+        return self.train_dataset
+
+    @property
+    def eval(self) -> Any:
+        """The samples the eval loss is measured on (``eval_dataset``)."""
+        return self.eval_dataset
 
     def train_loader(self, config: BenchConfig) -> DataLoader:
+        """Shuffled (``config.seed``) whole batches of ``config.batch_size``."""
         # drop_last: every step trains exactly batch_size samples, so samples/s is exact.
         return DataLoader(self.train, batch_size=config.batch_size, shuffle=True, drop_last=True,
                           collate_fn=self.collate_fn, generator=torch.Generator().manual_seed(config.seed))
 
     def eval_batches(self, config: BenchConfig) -> list[Any]:
+        """The first ``config.eval_batches`` batches of the eval set, in order."""
         dl = DataLoader(self.eval, batch_size=config.batch_size, shuffle=False, collate_fn=self.collate_fn)
         return [b for _, b in zip(range(config.eval_batches), dl)]
 
 
 def build_job(config: BenchConfig) -> Job:
-    from ..tasks import PYCODE_SIZES, get_task, load_factory
-
+    """Load the task ``config`` names (:func:`mixprec.tasks.load_task`) and make it the bench's :class:`Job`."""
     if config.model is not None:
-        from ..trainer.data import collate, prepare_dataset
-
-        model_factory = load_factory(config.model)
-        data = load_factory(config.data)()
-        train, evals = data if isinstance(data, tuple) and len(data) == 2 else (data, data)
-        probe = model_factory()
-        # Whole batches by tensor indexing where the data allows it (the Trainer's batched fetch).
-        fast = [prepare_dataset(d, probe, remove_unused_columns=False, label_names=[], custom_collator=False)
-                for d in (train, evals)]
-        job = Job(name=config.model, build_model=model_factory, train=fast[0], eval=fast[1], collate_fn=collate,
-                   description=f"{config.model} on {config.data}" + ("" if evals is not train else
-                                                                      " (eval loss on the training data)"))
-    elif config.task == "pycode":
-        size = config.size or "mini"
-        block = PYCODE_SIZES[size].block_size
+        return Job.of(load_task(model=config.model, data=config.data), config)
+    entry = TASKS[config.task]
+    options: dict[str, Any] = {entry.variant: getattr(config, entry.variant)}
+    if config.task == "pycode":
+        block = PYCODE_SIZES[config.size or entry.defaults["size"]].block_size
         # Read only the text the run trains on (an epoch then covers it: the FLOP- and sync-counting
         # steps, the warm-up, the rounds, the profiled step), instead of 4 MB.
         steps = 3 + config.warmup + config.rounds * config.steps + config.memory_steps
-        task = get_task("pycode", size, max_bytes=min(4_000_000, max(steps, 8) * config.batch_size * block + block),
-                        eval_max_bytes=(config.eval_batches * config.batch_size + 1) * block)
-        job = Job(name=task.name, build_model=task.build_model, train=task.train_dataset, eval=task.eval_dataset,
-                   collate_fn=task.collate_fn, description=task.description)
-    else:
-        task = get_task("digits", arch=config.arch)
-        job = Job(name=task.name, build_model=task.build_model, train=task.train_dataset, eval=task.eval_dataset,
-                   collate_fn=task.collate_fn, description=task.description)
-    if len(job.train) < config.batch_size:
-        raise ValueError(f"the training set has {len(job.train)} samples, fewer than batch_size={config.batch_size}; "
-                         "use a smaller batch size")
-    return job
+        options.update(max_bytes=min(4_000_000, max(steps, 8) * config.batch_size * block + block),
+                       eval_max_bytes=(config.eval_batches * config.batch_size + 1) * block)
+    return Job.of(load_task(config.task, **options), config)
 
 
 def loss_of(out: Any) -> torch.Tensor:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..tasks import TASKS
+
 EXAMPLES = """Examples:
   mixprec demo                              # ~3 minutes on 2 CPU cores
   mixprec demo --size tiny --steps 40       # a quick look
@@ -29,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "throughput, peak memory and validation loss for each; write a run folder with the "
                        "checkpoint, metrics.jsonl, plots and a generated sample.",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="mini", choices=["tiny", "mini", "small"], help="model size (default: mini)")
+    p.add_argument("--size", default=TASKS["pycode"].defaults["size"], choices=TASKS["pycode"].variants,
+                   help="model size (default: %(default)s)")
     p.add_argument("--precision", default="auto", help="the mixed run's precision (default: auto)")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps of the mixed run (default: 600)")
     p.add_argument("--fp32-steps", type=int, default=None, help="steps of the fp32 reference (default: steps / 3)")
