@@ -23,6 +23,7 @@ FAST = ["--max-steps", "6", "--eval-steps", "3", "--save-steps", "3", "--disable
         "--load-best-model-at-end", "false"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.toml")))
 def test_each_example_config_trains(tmp_path, example, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(EXAMPLES))
@@ -45,12 +46,12 @@ def write(tmp_path, text):
     ('[task]\nname = "pycode"\n[training]\nlearnig_rate = 1e-3\n', [], r"c.toml:4: \[training\] learnig_rate: unknown key; valid keys: output_dir"),
     ('[task]\nname = "pycode"\n[training]\nmax_steps = "ten"\n', [], r"c.toml:4: \[training\] max_steps: expected int, got str"),
     ('[task]\nname = "pycode"\n\n[trainig]\nx = 1\n', [], r"c.toml:4: \[trainig\]: unknown table; valid tables"),
-    ('[task]\nname = "pycod"\n', [], r"c.toml:2: \[task\] name: unknown task 'pycod'; valid tasks: pycode, digits"),
-    ('[task]\nname = "pycode"\nsize = "huge"\n', [], r"unknown size 'huge' for pycode; valid: tiny, mini, small"),
-    ('[task]\nname = "digits"\nsize = "tiny"\n', [], r"the digits task has no size; it takes arch"),
+    ('[task]\nname = "pycod"\n', [], r"c.toml:2: \[task\] name: unknown task 'pycod'; the built-in tasks are \['pycode', 'digits'\]"),
+    ('[task]\nname = "pycode"\nsize = "huge"\n', [], r"c.toml:3: \[task\] size: unknown pycode size 'huge'; choose one of \['tiny', 'mini', 'small'\]"),
+    ('[task]\nname = "digits"\nsize = "tiny"\n', [], r"c.toml:3: \[task\] size: unknown option\(s\) \['size'\] for the digits task; the options are \['arch', 'seed'\]"),
     ('[task]\nmodel = "a.b:c"\n', [], r"needs both model and data"),
     ('[task]\nname = "pycode"\n[precision]\nname = "fp12"\n', [], r"c.toml:4: \[precision\] name: unknown precision 'fp12'. Valid names"),
-    ('[task]\nname = "pycode"\n[training]\nfp16 = true\nbf16 = true\n', [], r"set only one"),
+    ('[task]\nname = "pycode"\n[training]\nfp16 = true\nbf16 = true\n', [], r'c.toml:4: \[training\] fp16: the precision is set in one place, \[precision\]: name = "fp16-mixed"'),
     ('[task]\nname = "pycode"\n[training]\nresume_from_checkpoint = "nope/ckpt"\n', [], r"nope/ckpt does not exist"),
     ('[task]\nname = "pycode"\n', ["--max-steps", "x"], r"\[training\] max_steps \(from the command line\): expected int"),
     ('[task]\nname = "pycode"\n', ["--learnig-rate", "1"], r"unknown option --learnig-rate"),
@@ -71,7 +72,7 @@ def test_flags_win_over_the_file(tmp_path):
     cfg = load_config(write(tmp_path, '[task]\nname = "pycode"\n[training]\nmax_steps = 5\nlearning_rate = 0.1\n'),
                       ["--max-steps", "7", "--precision", "bf16", "--task.size", "tiny"])
     assert cfg.training.max_steps == 7 and cfg.training.learning_rate == 0.1
-    assert cfg.training.precision == "bf16" and cfg.task == {"name": "pycode", "size": "tiny"}
+    assert cfg.training.precision == "bf16" and cfg.task.as_table() == {"name": "pycode", "size": "tiny"}
 
 
 def test_the_cli_prints_config_errors_without_a_traceback(tmp_path, capsys):
@@ -126,6 +127,7 @@ def test_parse_overrides_reads_values_as_toml():
         "training": {"learning_rate": 1e-3, "fp16": True, "output_dir": "runs/x"}}
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_that_resume_continues(tmp_path):
     out = tmp_path / "run"
     base = [sys.executable, "-m", "mixprec.cli", "train", str(EXAMPLES / "pycode-tiny.toml"), "--task.max_bytes",
@@ -179,3 +181,33 @@ def test_sigterm_finishes_the_step_checkpoints_exits_75_and_resume_continues(tmp
     assert f"done: {step + 3} steps" in rc.stdout
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, step + 4))
+
+
+def test_the_diagnostics_table_reaches_the_trainer_and_its_rows_are_logged(tmp_path, capsys):
+    out = tmp_path / "run"
+    cfg = write(tmp_path, '[task]\nname = "digits"\n[training]\nmax_steps = 4\nlogging_steps = 1\n'
+                          'save_strategy = "no"\ndisable_tqdm = true\n[precision]\nname = "bf16"\n'
+                          '[diagnostics]\nsteps = 1\ntrace_overflow = true\n')
+    rc = main(["train", str(cfg), "--output-dir", str(out), "--drift-steps", "2"])
+    assert rc == 0, capsys.readouterr().err
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("grad_fp16_flush" in r for r in rows) and any("drift_rel" in r for r in rows)
+
+
+def test_each_setting_has_one_table_and_a_flag_named_after_its_field(tmp_path):
+    cfg = load_config(None, ["--task", "digits", "--diagnostics-steps", "5", "--trace-overflow", "true",
+                             "--loss-scaler", "{ init_scale = 1024.0 }", "--precision", "fp16", "--task.seed", "3"])
+    assert (cfg.training.diagnostics_steps, cfg.training.trace_overflow) == (5, True)
+    assert cfg.diagnostics == {"steps": 5, "trace_overflow": True, "drift_steps": 0}
+    assert cfg.training.loss_scaler == {"init_scale": 1024.0} and cfg.precision == "fp16"
+    assert cfg.task.as_table() == {"name": "digits", "seed": 3} and cfg.training.seed == 42
+    with pytest.raises(ConfigError, match=r"c.toml:4: \[training\] precision: set it in \[precision\] as name"):
+        load_config(write(tmp_path, '[task]\nname = "digits"\n[training]\nprecision = "bf16"\n'))
+    with pytest.raises(ConfigError, match=r"c.toml:4: \[diagnostics\] steps: diagnostics_steps"):
+        load_config(write(tmp_path, '[task]\nname = "digits"\n[diagnostics]\nsteps = -1\n'))
+
+
+def test_model_and_data_flags_replace_the_files_built_in_task(tmp_path):
+    cfg = load_config(write(tmp_path, '[task]\nname = "pycode"\nsize = "tiny"\n'),
+                      ["--model", "user_task:model", "--data", "user_task:data"])
+    assert cfg.task.as_table() == {"model": "user_task:model", "data": "user_task:data"}

@@ -1,25 +1,34 @@
-"""Run configurations for ``mixprec train``: a TOML file plus ``--flags``, checked before any work.
+"""Run configurations for ``mixprec train`` (and ``doctor``): a TOML file plus ``--flags``, checked before any work.
 
-A config has four tables::
+One typed run config, :class:`RunConfig`: the task (:class:`TaskConfig`) and the
+:class:`~mixprec.TrainingArguments`, the precision included. A TOML file spreads them over four
+tables, and each setting has one place::
 
-    [task]          name = "pycode" | "digits", size (pycode), arch (digits), max_bytes / eval_max_bytes
-                    (pycode: text read per split); or model = "pkg.mod:factory", data = "pkg.mod:factory"
-    [training]      any TrainingArguments field
-    [precision]     name = "auto" | "bf16" | ...; loss_scaler = { init_scale = 65536.0, ... }
-    [diagnostics]   steps, trace_overflow, drift_steps
+    [task]          name = "pycode" | "digits" with that task's options (its builder's parameters in
+                    mixprec.tasks.TASKS: size, arch, max_bytes, eval_max_bytes, root, seed);
+                    or model = "pkg.mod:factory" and data = "pkg.mod:factory"
+    [training]      every TrainingArguments field but those of the next two tables
+    [precision]     name (TrainingArguments.precision), loss_scaler, bf16_true_compensation,
+                    bf16_true_state_dtype, skip_nonfinite_steps, on_loss_scale_collapse
+    [diagnostics]   steps (diagnostics_steps), trace_overflow, drift_steps
 
-Flags override the file: ``--section.key VALUE`` for any key, or ``--key VALUE`` for a
-``[training]`` field (``--max-steps 10`` works too) and for ``--task``, ``--size``, ``--arch``,
-``--model``, ``--data``, ``--precision``. Values are read as TOML (``10`` is an int, ``true`` a
-bool, ``1e-3`` a float); anything else is a string. Every mistake is a :class:`ConfigError` that
-names the key, the file and line where there is one, and the valid choices.
+Flags override the file: ``--table.key VALUE`` for any key; and the flags derived from the fields:
+a ``[training]``, ``[precision]`` or ``[diagnostics]`` key is ``--`` the TrainingArguments field it
+sets (``--max-steps 10``, ``--precision bf16``, ``--diagnostics-steps 5``); a ``[task]`` key is
+``--task`` (the name), ``--model``, ``--data``, or ``--`` the option's name where no
+TrainingArguments field has it (``--size``, ``--arch``; digits' split seed is ``--task.seed``).
+Values are read as TOML (``10`` is an int, ``true`` a bool, ``1e-3`` a float); anything else is a
+string. Every mistake is a :class:`ConfigError` that names the key, the file and line where there
+is one, and the valid choices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +38,22 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from ..precision import canonical_precision
+from ..tasks import TASKS, Task, TaskOptionError, check_task, load_task
 from ..trainer.args import TrainingArguments
 
-__all__ = ["ConfigError", "RunConfig", "load_config", "parse_overrides"]
+__all__ = ["ConfigError", "RunConfig", "TaskConfig", "load_config", "parse_overrides", "flag_names"]
 
-_TASK_KEYS = {"name": str, "size": str, "arch": str, "model": str, "data": str, "max_bytes": int, "eval_max_bytes": int}
-_PRECISION_KEYS = {"name": str, "loss_scaler": dict}
-_DIAGNOSTICS_KEYS = {"steps": int, "trace_overflow": bool, "drift_steps": int}
-_SHORT_FLAGS = {"task": ("task", "name"), "size": ("task", "size"), "arch": ("task", "arch"),
-                "model": ("task", "model"), "data": ("task", "data"), "precision": ("precision", "name")}
-_TASKS = {"pycode": ("size", ("tiny", "mini", "small")), "digits": ("arch", ("mlp", "cnn"))}
+# The TrainingArguments fields that [precision] and [diagnostics] set, by their key there; [training] sets the rest.
+_ROUTED = {
+    "precision": {"name": "precision", "loss_scaler": "loss_scaler", "bf16_true_compensation": "bf16_true_compensation",
+                  "bf16_true_state_dtype": "bf16_true_state_dtype", "skip_nonfinite_steps": "skip_nonfinite_steps",
+                  "on_loss_scale_collapse": "on_loss_scale_collapse"},
+    "diagnostics": {"steps": "diagnostics_steps", "trace_overflow": "trace_overflow", "drift_steps": "drift_steps"},
+}
+# Hugging Face's precision switches: a second spelling of [precision] name, so refused in [training].
+_SWITCHES = {"fp16": "fp16-mixed", "bf16": "bf16-mixed"}
+_TABLES = ("task", "training", "precision", "diagnostics")
+_TASK_SPECS = ("name", "model", "data")
 
 
 class ConfigError(ValueError):
@@ -46,30 +61,102 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """A checked run configuration: what ``mixprec train`` runs."""
+class TaskConfig:
+    """The ``[task]`` table: a built-in task and its options, or the user's model and data factories.
 
-    task: dict[str, Any]
+    Checked when built (nothing is imported or read): see :func:`mixprec.tasks.check_task`.
+
+    Args:
+        name: A key of :data:`mixprec.tasks.TASKS`.
+        model: ``"package.module:factory"`` of the model; with ``data``.
+        data: ``"package.module:factory"`` of the data (:data:`mixprec.tasks.DATA_CONTRACT`).
+        options: The built-in task's options (``{"size": "tiny"}``).
+
+    Example:
+        >>> TaskConfig(name="digits", options={"arch": "cnn"}).load().name  # doctest: +SKIP
+        'digits/cnn'
+    """
+
+    name: str | None = None
+    model: str | None = None
+    data: str | None = None
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_task(self.name, model=self.model, data=self.data, **self.options)
+
+    def load(self) -> Task:
+        """Build the task: read the built-in one's data, or import and call the user's factories."""
+        return load_task(self.name, model=self.model, data=self.data, **self.options)
+
+    def as_table(self) -> dict[str, Any]:
+        """The ``[task]`` table this config reads as."""
+        specs = {k: getattr(self, k) for k in _TASK_SPECS if getattr(self, k) is not None}
+        return {**specs, **self.options}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A checked run configuration: what ``mixprec train`` runs.
+
+    Args:
+        task: What to train.
+        training: How: every setting of the run, the precision's and the diagnostics' included.
+        source: The config file, or ``"<flags>"``.
+    """
+
+    task: TaskConfig
     training: TrainingArguments
-    diagnostics: dict[str, Any]
     source: str = "<flags>"
 
+    @property
+    def precision(self) -> str:
+        """The precision name asked for (``[precision] name``; ``"fp32"`` by default)."""
+        return self.training.resolved_precision
 
-def _training_types() -> dict[str, Any]:
-    hints = typing.get_type_hints(TrainingArguments, include_extras=False)
-    types_ = {f.name: hints[f.name] for f in dataclasses.fields(TrainingArguments)}
-    types_["evaluation_strategy"] = str  # Hugging Face's old spelling (warns)
-    return types_
+    @property
+    def diagnostics(self) -> dict[str, Any]:
+        """The ``[diagnostics]`` table's values, as the TrainingArguments hold them."""
+        return {key: getattr(self.training, field) for key, field in _ROUTED["diagnostics"].items()}
+
+
+def _schemas() -> dict[str, dict[str, Any]]:
+    """Each table's keys and their type hints, from TrainingArguments' fields and the task registry."""
+    hints = typing.get_type_hints(TrainingArguments)
+    ta = {f.name: hints[f.name] for f in dataclasses.fields(TrainingArguments)}
+    ta["evaluation_strategy"] = str  # Hugging Face's old spelling (warns)
+    routed = {field for keys in _ROUTED.values() for field in keys.values()}
+    task = dict.fromkeys(_TASK_SPECS, str)
+    for entry in TASKS.values():
+        for option, hint in entry.options.items():
+            task.setdefault(option, hint)
+    return {"task": task, "training": {k: h for k, h in ta.items() if k not in routed},
+            **{table: {key: ta[field] for key, field in keys.items()} for table, keys in _ROUTED.items()}}
+
+
+def flag_names() -> dict[str, tuple[str, str]]:
+    """Every short flag's name (``"max_steps"``) and the ``(table, key)`` it sets.
+
+    Example:
+        >>> flag_names()["precision"], flag_names()["size"], flag_names()["diagnostics_steps"]
+        (('precision', 'name'), ('task', 'size'), ('diagnostics', 'steps'))
+    """
+    schemas = _schemas()
+    flags = {field: (table, key) for table, keys in _ROUTED.items() for key, field in keys.items()}
+    flags.update({key: ("training", key) for key in schemas["training"]})
+    flags.update({"task": ("task", "name"), "model": ("task", "model"), "data": ("task", "data")})
+    for option in schemas["task"]:
+        flags.setdefault(option, ("task", option))  # a TrainingArguments field of the same name keeps --name
+    return flags
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
+    """Whether a TOML value fits a field's type hint (dataclasses do not check types themselves)."""
     origin = typing.get_origin(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return any(_type_ok(value, h) for h in typing.get_args(hint))
     if hint is type(None):
         return value is None
-    if hint is Any:
-        return True
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:
@@ -83,7 +170,7 @@ def _type_ok(value: Any, hint: Any) -> bool:
         return isinstance(value, list) and all(_type_ok(v, item) for v in value)
     if origin is dict:
         return isinstance(value, dict)
-    return isinstance(value, hint) if isinstance(hint, type) else True
+    return isinstance(value, hint) if isinstance(hint, type) and hint is not Any else True
 
 
 def _type_name(hint: Any) -> str:
@@ -108,25 +195,28 @@ def _line_of(text: str, section: str, key: str) -> int | None:
 
 
 class _Where:
-    def __init__(self, path: str | None, text: str) -> None:
-        self.path, self.text = path, text
+    """Says where a key is: ``file:line: [table] key``, or ``[table] key (from the command line)``."""
 
-    def __call__(self, section: str, key: str | None = None, flag: bool = False) -> str:
+    def __init__(self, path: str | None, text: str, overrides: dict[str, dict[str, Any]]) -> None:
+        self.path, self.text, self.overrides = path, text, overrides
+
+    def __call__(self, section: str, key: str | None = None) -> str:
         name = f"[{section}] {key}" if key else f"[{section}]"
-        if flag or self.path is None:
+        from_flag = key in self.overrides.get(section, {}) if key else section in self.overrides
+        if from_flag or self.path is None:
             return f"{name} (from the command line)"
-        line = _line_of(self.text, section, key or "") if key else _line_of(self.text, section, "\0")
+        line = _line_of(self.text, section, key) if key else _line_of(self.text, section, "\0")
         return f"{self.path}:{line}: {name}" if line else f"{self.path}: {name}"
 
 
 def parse_overrides(flags: list[str]) -> dict[str, dict[str, Any]]:
-    """``["--max-steps", "10", "--precision.name", "bf16"]`` as ``{"training": {"max_steps": 10}, ...}``.
+    """``["--max-steps", "10", "--precision", "bf16"]`` as ``{"training": {"max_steps": 10}, ...}``.
 
     Raises:
         ConfigError: for a flag without a value, a value without a flag, or an unknown flag.
     """
     out: dict[str, dict[str, Any]] = {}
-    training = set(TrainingArguments.field_names())
+    short = flag_names()
     i = 0
     while i < len(flags):
         flag = flags[i]
@@ -142,14 +232,13 @@ def parse_overrides(flags: list[str]) -> dict[str, dict[str, Any]]:
         key = name.replace("-", "_")
         if "." in key:
             section, _, key = key.partition(".")
-        elif key in _SHORT_FLAGS:
-            section, key = _SHORT_FLAGS[key]
-        elif key in training:
-            section = "training"
+        elif key in short:
+            section, key = short[key]
         else:
-            raise ConfigError(f"unknown option --{name}; use --section.key VALUE, a TrainingArguments field "
-                              f"(--max-steps, --learning-rate, ...) or one of "
-                              f"{', '.join('--' + k for k in _SHORT_FLAGS)}")
+            task_flags = [f for f, (table, _) in short.items() if table == "task"]
+            raise ConfigError(f"unknown option --{name}; use --table.key VALUE, a TrainingArguments field "
+                              f"(--max-steps, --learning-rate, --precision, --diagnostics-steps, ...) or one of "
+                              f"{', '.join('--' + f.replace('_', '-') for f in task_flags)}")
         out.setdefault(section, {})[key] = _parse_value(value_text)
     return out
 
@@ -161,100 +250,102 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _read(path: str | Path | None) -> tuple[str, dict[str, Any]]:
+    if path is None:
+        return "", {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass a TOML file (see examples/)")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    try:
+        return text, tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
 def load_config(path: str | Path | None, flags: list[str] | None = None) -> RunConfig:
     """Read, merge and check a run configuration (``path`` may be ``None``: flags only).
 
     Raises:
         ConfigError: naming the key, the file and line, and the valid choices.
+
+    Example:
+        >>> load_config("examples/digits-mlp.toml", ["--max-steps", "5"]).training.max_steps  # doctest: +SKIP
+        5
     """
-    text, doc = "", {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass a TOML file (see examples/)")
-        try:
-            text = p.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read {path}: {e}") from None
-        try:
-            doc = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    where = _Where(str(path) if path is not None else None, text)
+    text, doc = _read(path)
     overrides = parse_overrides(flags or [])
-    valid_sections = ("task", "training", "precision", "diagnostics")
+    where = _Where(str(path) if path is not None else None, text, overrides)
     for section in list(doc) + list(overrides):
-        if section not in valid_sections:
-            raise ConfigError(f"{where(section, flag=section not in doc)}: unknown table; valid tables: "
-                              f"{', '.join(f'[{s}]' for s in valid_sections)}")
+        if section not in _TABLES:
+            raise ConfigError(f"{where(section)}: unknown table; valid tables: {', '.join(f'[{s}]' for s in _TABLES)}")
     merged: dict[str, dict[str, Any]] = {}
-    for section in valid_sections:
+    for section in _TABLES:
         table = doc.get(section, {})
         if not isinstance(table, dict):
             raise ConfigError(f"{where(section)}: must be a table ([{section}] with key = value lines)")
-        merged[section] = {**table, **overrides.get(section, {})}
-
-    def check_keys(section: str, schema: dict[str, Any]) -> None:
-        for key, value in merged[section].items():
-            from_flag = key in overrides.get(section, {})
-            if key not in schema:
-                raise ConfigError(f"{where(section, key, from_flag)}: unknown key; valid keys: {', '.join(schema)}")
-            if not _type_ok(value, schema[key]):
-                raise ConfigError(f"{where(section, key, from_flag)}: expected {_type_name(schema[key])}, "
-                                  f"got {type(value).__name__} {value!r}")
-
-    check_keys("task", _TASK_KEYS)
-    check_keys("precision", _PRECISION_KEYS)
-    check_keys("diagnostics", _DIAGNOSTICS_KEYS)
-    check_keys("training", _training_types())
-    task = _check_task(merged["task"], where, overrides.get("task", {}))
+        merged[section] = {**_flags_win(section, table, overrides.get(section, {})), **overrides.get(section, {})}
+    schemas = _schemas()
+    for section in _TABLES:
+        _check_keys(section, merged[section], schemas, where)
+    task = _task_config(merged["task"], where)
     training = dict(merged["training"])
-    prec = merged["precision"]
-    if "name" in prec:
+    for section, keys in _ROUTED.items():
+        training.update({keys[k]: v for k, v in merged[section].items()})
+    if "precision" in training:
         try:
-            canonical_precision(prec["name"])
+            canonical_precision(training["precision"])
         except ValueError as e:
-            raise ConfigError(f"{where('precision', 'name', 'name' in overrides.get('precision', {}))}: {e}") from None
-        training["precision"] = prec["name"]
-    if "loss_scaler" in prec:
-        training["loss_scaler"] = prec["loss_scaler"]
+            raise ConfigError(f"{where('precision', 'name')}: {e}") from None
     resume = training.get("resume_from_checkpoint")
     if isinstance(resume, str) and not Path(resume).exists():
-        raise ConfigError(f"{where('training', 'resume_from_checkpoint', 'resume_from_checkpoint' in overrides.get('training', {}))}: "
-                          f"{resume} does not exist; give a checkpoint folder, or use --resume for the newest one")
+        raise ConfigError(f"{where('training', 'resume_from_checkpoint')}: {resume} does not exist; give a checkpoint "
+                          "folder, or use --resume for the newest one")
     try:
         args = TrainingArguments(**training)
     except (ValueError, TypeError) as e:
-        key = next((k for k in training if k in str(e)), None)
-        place = where("training", key, key in overrides.get("training", {})) if key else where("training")
+        origin = {field: (section, key) for section, keys in _ROUTED.items() for key, field in keys.items()}
+        field = next((k for k in training if re.search(rf"\b{k}\b", str(e))), None)
+        place = where(*origin.get(field, ("training", field))) if field else where("training")
         raise ConfigError(f"{place}: {e}") from None
-    return RunConfig(task=task, training=args, diagnostics=merged["diagnostics"], source=str(path or "<flags>"))
+    return RunConfig(task=task, training=args, source=str(path or "<flags>"))
 
 
-def _check_task(task: dict[str, Any], where: _Where, flags: dict[str, Any]) -> dict[str, Any]:
-    user = {"model", "data"} & set(task)
-    if user:
-        if user != {"model", "data"}:
-            missing = ({"model", "data"} - user).pop()
-            raise ConfigError(f"{where('task', missing, True)}: a user task needs both model and data "
-                              "(module:factory each)")
-        for key in ("model", "data"):
-            if not re.fullmatch(r"[\w.]+:[\w.]+", task[key]):
-                raise ConfigError(f"{where('task', key, key in flags)}: {task[key]!r} is not package.module:factory")
-        return task
-    name = task.get("name")
-    if name is None:
-        raise ConfigError(f"{where('task')}: say which task: name = {' | '.join(map(repr, _TASKS))}, "
-                          "or model = 'pkg.mod:factory' and data = 'pkg.mod:factory'")
-    if name not in _TASKS:
-        raise ConfigError(f"{where('task', 'name', 'name' in flags)}: unknown task {name!r}; valid tasks: "
-                          f"{', '.join(_TASKS)} (or model/data factories)")
-    option, choices = _TASKS[name]
-    other = ({"size", "arch"} - {option}) | ({"max_bytes", "eval_max_bytes"} if name != "pycode" else set())
-    for key in other & set(task):
-        raise ConfigError(f"{where('task', key, key in flags)}: the {name} task has no {key}; it takes {option}"
-                          + (", max_bytes, eval_max_bytes" if name == "pycode" else ""))
-    if option in task and task[option] not in choices:
-        raise ConfigError(f"{where('task', option, option in flags)}: unknown {option} {task[option]!r} for "
-                          f"{name}; valid: {', '.join(choices)}")
-    return task
+def _flags_win(section: str, table: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """The file's table less what a flag replaces: ``--model``/``--data`` replace a built-in task, ``--task`` a user's."""
+    if section != "task":
+        return table
+    if {"model", "data"} & set(flags):
+        return {k: v for k, v in table.items() if k in ("model", "data")}
+    if "name" in flags:
+        return {k: v for k, v in table.items() if k not in ("model", "data")}
+    return table
+
+
+def _check_keys(section: str, values: dict[str, Any], schemas: dict[str, dict[str, Any]], where: _Where) -> None:
+    schema = schemas[section]
+    entry = TASKS.get(values.get("name")) if section == "task" else None
+    for key, value in values.items():
+        if section == "training" and key in _SWITCHES:
+            raise ConfigError(f"{where(section, key)}: the precision is set in one place, [precision]: "
+                              f"name = \"{_SWITCHES[key]}\" (or --precision {key})")
+        owner = next((t for t, keys in _ROUTED.items() if key in keys.values() and section == "training"), None)
+        if owner is not None:
+            routed = next(k for k, f in _ROUTED[owner].items() if f == key)
+            raise ConfigError(f"{where(section, key)}: set it in [{owner}] as {routed} = ... (one place per setting)")
+        if key not in schema:
+            raise ConfigError(f"{where(section, key)}: unknown key; valid keys: {', '.join(schema)}")
+        hint = entry.options.get(key, schema[key]) if entry is not None else schema[key]
+        if not _type_ok(value, hint):
+            raise ConfigError(f"{where(section, key)}: expected {_type_name(hint)}, got {type(value).__name__} {value!r}")
+
+
+def _task_config(table: dict[str, Any], where: _Where) -> TaskConfig:
+    specs = {k: table[k] for k in _TASK_SPECS if k in table}
+    try:
+        return TaskConfig(**specs, options={k: v for k, v in table.items() if k not in _TASK_SPECS})
+    except TaskOptionError as e:
+        raise ConfigError(f"{where('task', e.option if e.option in table else None)}: {e}") from None

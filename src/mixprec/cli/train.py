@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..preemption import PREEMPTED_EXIT_CODE
+from ..tasks import Task
 from ..trainer import Trainer, TrainerCallback
 from ..trainer.checkpoints import list_checkpoints
-from .config import ConfigError, RunConfig, load_config
+from .config import ConfigError, RunConfig, TaskConfig, load_config
 
 EXAMPLES = """Examples:
   mixprec train examples/pycode-tiny.toml
@@ -20,8 +21,10 @@ EXAMPLES = """Examples:
   mixprec train examples/pycode-tiny.toml --resume          # continue the newest checkpoint
   mixprec train --task digits --arch cnn --output-dir runs/cnn --num-train-epochs 3
 
-Flags override the file: --section.key VALUE for any key, or --key VALUE for a [training]
-field and for --task, --size, --arch, --model, --data, --precision. Ctrl-C saves a checkpoint
+Flags override the file: --table.key VALUE for any key, or --FIELD VALUE for the
+TrainingArguments field a [training], [precision] or [diagnostics] key sets (--max-steps,
+--precision, --loss-scaler, --diagnostics-steps, --trace-overflow, --drift-steps), and --task,
+--model, --data, --size, --arch, --max-bytes for [task]. Ctrl-C saves a checkpoint
 and exits (status 130); so does SIGTERM, a scheduler's preemption (status 75); --resume
 continues from it.
 """
@@ -39,43 +42,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, accepts_overrides=True, config=None)
 
 
-@dataclass
-class BuiltTask:
-    name: str
-    build_model: Any
-    train_dataset: Any
-    eval_dataset: Any
-    collate_fn: Any = None
-    compute_metrics: Any = None
-    preprocess_logits_for_metrics: Any = None
+BuiltTask = Task  # the name this module used for the one Task record
 
 
-def build_task(task: dict[str, Any]) -> BuiltTask:
-    """The model factory and data a ``[task]`` table names (built-in, or the user's factories).
+def build_task(task: TaskConfig | Mapping[str, Any]) -> Task:
+    """The :class:`~mixprec.tasks.Task` a ``[task]`` table names (built-in, or the user's factories).
+
+    Args:
+        task: A :class:`~mixprec.cli.config.TaskConfig`, or a ``[task]`` table as a dict.
 
     Raises:
-        ConfigError: when a user factory cannot be imported.
+        ConfigError: when the table is wrong, or a user factory cannot be imported or its data
+            does not follow :data:`mixprec.tasks.DATA_CONTRACT`.
     """
-    from ..tasks import get_task, load_factory
-
-    if "model" in task:
-        try:
-            model_factory, data_factory = load_factory(task["model"]), load_factory(task["data"])
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ConfigError(f"[task]: {e}") from None
-        data = data_factory()
-        if isinstance(data, dict):
-            train = data.get("train")
-            evaluation = next((data[k] for k in ("validation", "eval", "test") if k in data), None)
-        elif isinstance(data, (tuple, list)) and len(data) == 2:
-            train, evaluation = data
-        else:
-            train, evaluation = data, None
-        return BuiltTask(task["model"], model_factory, train, evaluation)
-    options = {k: task[k] for k in ("arch", "max_bytes", "eval_max_bytes") if k in task}
-    t = get_task(task["name"], task.get("size"), **options)
-    return BuiltTask(t.name, t.build_model, t.train_dataset, t.eval_dataset, t.collate_fn, t.compute_metrics,
-                     t.preprocess_logits_for_metrics)
+    try:
+        if not isinstance(task, TaskConfig):
+            specs = {k: task[k] for k in ("name", "model", "data") if k in task}
+            task = TaskConfig(**specs, options={k: v for k, v in task.items() if k not in specs})
+        return task.load()
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        raise ConfigError(f"[task]: {e}") from None
 
 
 class _Interrupt(TrainerCallback):
@@ -124,9 +110,6 @@ def train_from_config(cfg: RunConfig, resume: bool = False) -> tuple[Trainer, st
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides or [])
-        if any(cfg.diagnostics.values()):
-            raise ConfigError("[diagnostics]: the precision diagnostics are not wired into `mixprec train` yet; "
-                              "remove the table (or set its values to 0/false)")
         trainer, stopped_by = train_from_config(cfg, resume=args.resume)
     except ConfigError as e:
         print(f"mixprec train: error: {e}", file=sys.stderr)
