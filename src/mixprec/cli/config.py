@@ -203,8 +203,10 @@ class _Where:
     def __call__(self, section: str, key: str | None = None) -> str:
         name = f"[{section}] {key}" if key else f"[{section}]"
         from_flag = key in self.overrides.get(section, {}) if key else section in self.overrides
-        if from_flag or self.path is None:
+        if from_flag:
             return f"{name} (from the command line)"
+        if self.path is None:
+            return name
         line = _line_of(self.text, section, key) if key else _line_of(self.text, section, "\0")
         return f"{self.path}:{line}: {name}" if line else f"{self.path}: {name}"
 
