@@ -329,7 +329,8 @@ def _flags_win(section: str, table: dict[str, Any], flags: dict[str, Any]) -> di
 
 def _check_keys(section: str, values: dict[str, Any], schemas: dict[str, dict[str, Any]], where: _Where) -> None:
     schema = schemas[section]
-    entry = TASKS.get(values.get("name")) if section == "task" else None
+    name = values.get("name") if section == "task" else None
+    entry = TASKS.get(name) if isinstance(name, str) else None
     for key, value in values.items():
         if section == "training" and key in _SWITCHES:
             raise ConfigError(f"{where(section, key)}: the precision is set in one place, [precision]: "

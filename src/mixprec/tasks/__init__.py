@@ -150,7 +150,7 @@ def list_tasks() -> dict[str, list[str]]:
 
 
 def _entry(name: Any) -> TaskEntry:
-    if name not in TASKS:
+    if not isinstance(name, str) or name not in TASKS:
         raise TaskOptionError("name", f"unknown task {name!r}; the built-in tasks are {list(TASKS)}, or give your "
                               "own model and data factories ('package.module:factory' each)")
     return TASKS[name]
