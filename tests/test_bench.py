@@ -17,7 +17,7 @@ import torch
 import mixprec.bench as bench
 from mixprec.bench import BenchConfig, run_bench
 from mixprec.bench.config import build_job
-from mixprec.bench.runners import _TorchLoopRunner
+from mixprec.bench.rivals import TorchLoopRunner
 from mixprec.cli import main
 from mixprec.cli.bench import format_table
 from mixprec.hardware import detect_capability
@@ -39,6 +39,7 @@ def bench_run(tmp_path_factory):
     return code, stdout.getvalue(), out
 
 
+@pytest.mark.slow
 def test_bench_prints_a_table_with_a_row_per_precision(bench_run):
     code, stdout, _ = bench_run
     assert code == 0
@@ -49,6 +50,7 @@ def test_bench_prints_a_table_with_a_row_per_precision(bench_run):
     assert len(rows) == 2
 
 
+@pytest.mark.slow
 def test_bench_json_holds_the_machine_the_command_and_finite_positive_numbers(bench_run):
     _, _, out = bench_run
     result = json.loads((out / "bench.json").read_text())
@@ -73,6 +75,7 @@ def test_bench_json_holds_the_machine_the_command_and_finite_positive_numbers(be
     assert result["results"]["fp32"]["flops_per_step"] == result["results"]["bf16-mixed"]["flops_per_step"]
 
 
+@pytest.mark.slow
 def test_each_row_counts_the_host_syncs_of_one_step_and_fused_adamw_steps_need_none(bench_run):
     code, stdout, out = bench_run
     assert "syncs" in stdout
@@ -80,6 +83,7 @@ def test_each_row_counts_the_host_syncs_of_one_step_and_fused_adamw_steps_need_n
     assert [r["host_syncs_per_step"] for r in result["results"].values()] == [0, 0]
 
 
+@pytest.mark.slow
 def test_bench_png_is_a_valid_image_matplotlib_can_read(bench_run):
     _, _, out = bench_run
     data = (out / "bench.png").read_bytes()
@@ -90,6 +94,7 @@ def test_bench_png_is_a_valid_image_matplotlib_can_read(bench_run):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
+@pytest.mark.slow
 def test_fp32_speedup_over_itself_is_exactly_one(bench_run):
     _, _, out = bench_run
     row = json.loads((out / "bench.json").read_text())["results"]["fp32"]
@@ -135,6 +140,7 @@ def test_compare_with_an_unknown_name_is_an_error_listing_all_four(capsys):
         BenchConfig(compare=("torchtitan",))
 
 
+@pytest.mark.slow
 def test_precision_the_device_cannot_run_is_reported_as_skipped_with_the_reason(monkeypatch):
     real = bench.runners.Accelerator
 
@@ -157,6 +163,7 @@ def test_precision_the_device_cannot_run_is_reported_as_skipped_with_the_reason(
         assert any(n.startswith("fp16-mixed is emulated here") for n in result["notes"])
 
 
+@pytest.mark.slow
 def test_by_default_precisions_the_device_runs_impractically_slowly_are_left_out_with_a_note(monkeypatch):
     import dataclasses as dc
 
@@ -210,6 +217,7 @@ def test_hugging_face_runs_train_the_same_model_on_the_same_data_as_mixprec():
         assert rows[name]["throughput_vs_mixprec"] > 0
 
 
+@pytest.mark.slow
 def test_the_torch_loop_and_mixprecs_trainer_train_the_same_model_on_the_same_data_as_the_accelerator():
     result = run_bench(BenchConfig(precisions=("fp32",), compare=("torch", "trainer"), **TINY_CONFIG))
     rows = result["results"]
@@ -232,17 +240,18 @@ def test_the_torch_loop_and_mixprecs_trainer_train_the_same_model_on_the_same_da
 def test_the_torch_loop_uses_torchs_own_grad_scaler_for_fp16_and_a_bf16_cast_model_for_bf16_true():
     config = BenchConfig(**TINY_CONFIG)
     job = build_job(config)
-    fp16 = _TorchLoopRunner(job, "fp16-mixed", config, torch.device("cpu"), [])
+    fp16 = TorchLoopRunner(job, "fp16-mixed", config, torch.device("cpu"), [])
     fp16.run_chunk(2)
     assert isinstance(fp16.scaler, torch.amp.GradScaler) and fp16.scaler.get_scale() > 0
     assert all(p.dtype == torch.float32 for p in fp16.model.parameters())
-    true = _TorchLoopRunner(job, "bf16-true", config, torch.device("cpu"), [])
+    true = TorchLoopRunner(job, "bf16-true", config, torch.device("cpu"), [])
     true.run_chunk(2)
     assert true.scaler is None and all(p.dtype == torch.bfloat16 for p in true.model.parameters())
     assert type(true.opt) is torch.optim.AdamW  # no compensation: what torch alone offers
     assert all(math.isfinite(float(loss)) for loss in fp16.losses + true.losses)
 
 
+@pytest.mark.slow
 def test_bf16_true_gives_a_row_per_compensation_named_after_the_first():
     result = run_bench(BenchConfig(precisions=("bf16-true",), bf16_true_compensation=("kahan", "stochastic", "none"),
                                    bf16_true_state_dtype="bf16", compare=("trainer",), **TINY_CONFIG))
@@ -291,7 +300,7 @@ def test_the_cpu_memory_probe_builds_the_rows_bf16_true_variant(monkeypatch):
     monkeypatch.setattr(bench.memory.subprocess, "run", in_process)
     config = BenchConfig(precisions=("bf16-true",), bf16_true_state_dtype="bf16", memory_steps=1,
                          **{**TINY_CONFIG, "memory": True})
-    tensors, _, _ = bench.memory._cpu_peak_memory(config, {"precision": "bf16-true", "compensation": "stochastic"})
+    tensors, _, _ = bench.memory.cpu_peak_memory(config, {"precision": "bf16-true", "compensation": "stochastic"})
     assert tensors is None or tensors > 0
     ((precision, compensation, runner),) = built
     assert (precision, compensation) == ("bf16-true", "stochastic")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mixprec import Accelerator, Trainer, TrainerCallback, TrainingArguments
-from mixprec.bench import count_host_syncs, host_side_tensors
+from mixprec.diagnostics import count_host_syncs, host_side_tensors
 
 from toys import Classifier, blobs
 
@@ -49,6 +49,15 @@ READS = {
     "aten.index": lambda: x[x > 0],
     "aten.index_put_": lambda: x.clone().__setitem__(x > 5, 0.0),
 }
+
+
+def test_the_counter_is_a_diagnostic_and_the_bench_still_offers_it():
+    import mixprec.bench as bench
+    import mixprec.diagnostics as diagnostics
+
+    for name in ("count_host_syncs", "host_side_tensors", "HostSyncs", "SyncEvent"):
+        assert getattr(bench, name) is getattr(diagnostics, name) and name in diagnostics.__all__
+    assert count_host_syncs.__module__ == "mixprec.diagnostics.syncs"
 
 
 @pytest.mark.parametrize("what", READS)

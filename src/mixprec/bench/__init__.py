@@ -18,20 +18,25 @@ steps in turn, so a change in the machine's speed hits all of them alike. Report
 * the final training loss (mean of the last steps) and an eval loss on a fixed slice of the
   eval set, each against the baseline's.
 
-``compare=("hf", "accelerate")`` adds the same job run through the Hugging Face Trainer and
-through Hugging Face Accelerate's ``Accelerator``, interleaved with the others (the Trainer's
-``train()`` drives: a callback runs the others' round after each of its chunks).
+``compare=`` adds the same job as rivals run it (:mod:`.rivals`): the hand-written torch loop,
+Hugging Face Accelerate's ``Accelerator`` and the Hugging Face Trainer; and through mixprec's own
+Trainer. Both Trainers are driven through their callbacks alone: mixprec's trains each round's
+chunk in one ``train()`` that a callback stops (the next one goes on where it stopped); Hugging
+Face's ``train()`` runs once and drives, a callback running the others' round after each chunk.
+
+The host-sync counter of the ``syncs`` column is a diagnostic: :func:`mixprec.diagnostics.count_host_syncs`
+(re-exported here).
 """
 
 from __future__ import annotations
 
+from ..diagnostics.syncs import HostSyncs, SyncEvent, count_host_syncs, host_side_tensors
 from .config import COMPARE_NAMES, DEFAULT_PRECISIONS, BenchConfig
 from .core import add_ratios as add_ratios
 from .core import drift_note as drift_note
 from .core import run_bench
 from .memory import memory_probe_main as memory_probe_main  # run by the CPU memory probe's subprocess
 from .memory import tensor_peak_bytes as tensor_peak_bytes
-from .syncs import HostSyncs, SyncEvent, count_host_syncs, host_side_tensors
 
 __all__ = ["BenchConfig", "run_bench", "DEFAULT_PRECISIONS", "COMPARE_NAMES",
            "count_host_syncs", "host_side_tensors", "HostSyncs", "SyncEvent"]

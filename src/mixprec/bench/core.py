@@ -21,16 +21,8 @@ from ..trainer.outputs import call_model
 from .config import DEFAULT_PRECISIONS, BenchConfig, Job, build_job, loss_of, tokens_per_sample
 from .measure import dtype_name, matmul_peak, profile_step
 from .memory import measure_memory
-from .runners import (
-    RIVAL_FACTORIES,
-    RIVALS,
-    Runner,
-    TrainerRunner,
-    compare_precision,
-    hf_missing,
-    mixprec_runner,
-    reset_hf_state,
-)
+from .rivals import RIVAL_FACTORIES, RIVALS, HFTrainerRunner, compare_precision, hf_missing, reset_hf_state
+from .runners import Runner, mixprec_runner
 
 __all__ = ["run_bench"]
 
@@ -184,7 +176,7 @@ def _compare_notes(rows: dict[str, dict[str, Any]], config: BenchConfig) -> list
              + ("; vs torch loop: each row's throughput over the hand-written torch loop's at the same precision"
                 if any("throughput_vs_torch_loop" in r for r in rows.values()) else "")]
     if any(r["runner"] == "hf-trainer" for r in ok.values()):
-        notes.append("hf-trainer's FLOPs per step are mixprec's count for the same job (its train() is not stepped)")
+        notes.append("hf-trainer's FLOPs per step are mixprec's count for the same job (its steps are not counted alone)")
     torch_row = next((r for r in ok.values() if r["runner"] == "torch-loop"), None)
     if torch_row is not None and torch_row["precision"] == "bf16-true":
         twin = rows.get("bf16-true", {})
@@ -240,7 +232,7 @@ def _run_rounds(rows: dict[str, dict[str, Any]], runners: dict[str, Any], job: J
         peaks.append(peak())
         played.append(r)
 
-    trainer = next(((n, r) for n, r in runners.items() if isinstance(r, TrainerRunner)), None)
+    trainer = next(((n, r) for n, r in runners.items() if isinstance(r, HFTrainerRunner)), None)
     if trainer is not None:
         try:
             trainer[1].train(config, play_round)

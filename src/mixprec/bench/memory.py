@@ -74,7 +74,7 @@ def memory_probe_main() -> None:
                       "method": method}))
 
 
-def _cpu_peak_memory(config: BenchConfig, row: dict[str, Any]) -> tuple[int | None, int | None, str]:
+def cpu_peak_memory(config: BenchConfig, row: dict[str, Any]) -> tuple[int | None, int | None, str]:
     """``(tensor bytes, RSS bytes, how)`` of the row's variant (precision, bf16-true compensation)
     from :func:`memory_probe_main` in a fresh process; ``(None, None, why)`` if it failed."""
     request = json.dumps({"config": dataclasses.asdict(config), "precision": row["precision"],
@@ -98,7 +98,7 @@ def _cpu_peak_memory(config: BenchConfig, row: dict[str, Any]) -> tuple[int | No
 
 def measure_memory(rows: dict[str, dict[str, Any]], runners: dict[str, Any], config: BenchConfig,
                     device: torch.device) -> str:
-    """Peak memory per mixprec row on the CPU (CUDA's was taken in :func:`_start`); says how."""
+    """Peak memory per mixprec row on the CPU (CUDA's is taken over each row's build and warm-up); says how."""
     if not config.memory:
         return ""
     if device.type != "cpu":
@@ -106,7 +106,7 @@ def measure_memory(rows: dict[str, dict[str, Any]], runners: dict[str, Any], con
     names = [n for n in runners if rows[n]["runner"] == "mixprec"]
     # Two at a time: each process's peak is its own, and the start-up (importing torch) overlaps.
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        measured = list(pool.map(lambda n: _cpu_peak_memory(config, rows[n]), names))
+        measured = list(pool.map(lambda n: cpu_peak_memory(config, rows[n]), names))
     how = set()
     for name, (tensors, rss, method) in zip(names, measured):
         rows[name]["peak_memory_bytes"] = tensors

@@ -1,15 +1,12 @@
-"""The contestants of ``mixprec bench``: the training loop through :class:`~mixprec.Accelerator`,
-the hand-written torch loop, mixprec's Trainer, and the same job through Hugging Face Accelerate
-and the Hugging Face Trainer."""
+"""mixprec's contestants in ``mixprec bench``: the training loop through :class:`~mixprec.Accelerator`,
+and mixprec's :class:`~mixprec.Trainer` driven through its callbacks; and what every contestant
+shares (:class:`Runner`, the Trainers' :class:`StepChunks` callback). The rivals (the hand-written
+torch loop, Hugging Face Accelerate and the Hugging Face Trainer) are in :mod:`.rivals`."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import importlib.util
-import sys
 import tempfile
-import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,18 +15,32 @@ import torch
 from torch.utils import flop_counter
 
 from ..accelerator import Accelerator
-from ..data import send_to_device
-from ..precision import policy_for
-from ..trainer import PrinterCallback
+from ..diagnostics.syncs import count_host_syncs, host_side_tensors
+from ..trainer import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 from ..trainer.outputs import call_model
 from .config import BenchConfig, Job, loss_of
 from .measure import CPU_SDPA_FLOPS, Clock
-from .syncs import count_host_syncs, host_side_tensors
+
+__all__ = ["Runner", "LoopRunner", "MixprecTrainerRunner", "StepChunks", "StepWindow", "mixprec_runner",
+           "adamw", "describe_optimizer", "steps_to_train", "COUNTING_STEPS"]
+
+# Untimed steps besides the warm-up: one counts the FLOPs, one the host syncs (the Hugging Face
+# Trainer, which cannot be stepped alone, trains as many before its rounds: the same batches).
+COUNTING_STEPS = 2
+
+
+def steps_to_train(config: BenchConfig) -> int:
+    """Every contestant's steps: the counting ones, the warm-up, the rounds."""
+    return COUNTING_STEPS + config.warmup + config.rounds * config.steps
 
 
 # -- one contestant: a training loop we can run a chunk of steps at a time ----------------------
 class Runner:
-    """A contestant that trains a chunk of steps at a time; ``step()`` is one optimizer step."""
+    """A contestant that trains a chunk of steps at a time; ``step()`` is one optimizer step.
+
+    ``times`` gets each timed step's seconds and ``losses`` each step's detached loss (the bench
+    clears both after the warm-up); ``optimizer`` says what kind, for the report.
+    """
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         self.model, self.device = model, device
@@ -43,6 +54,7 @@ class Runner:
         raise NotImplementedError
 
     def run_chunk(self, n: int) -> None:
+        """Train ``n`` steps, timing each (its batch's fetch included)."""
         clock = Clock(self.device)
         clock.mark()
         for _ in range(n):
@@ -50,16 +62,17 @@ class Runner:
             clock.mark()
         self.times += clock.intervals()
 
+    def prepared_optimizer(self) -> Any:
+        """The optimizer ``step()`` steps (its host-side step counters are not device reads)."""
+        raise NotImplementedError
+
     def count_syncs(self) -> int:
         """Host-device syncs in one training step (a real step, untimed), as
-        :func:`~mixprec.bench.syncs.count_host_syncs` counts them; the optimizer's host-side step
+        :func:`~mixprec.diagnostics.count_host_syncs` counts them; the optimizer's host-side step
         counters are not device reads."""
-        with count_host_syncs(self.device, ignore=host_side_tensors(self._optimizer())) as syncs:
+        with count_host_syncs(self.device, ignore=host_side_tensors(self.prepared_optimizer())) as syncs:
             self.step()
         return syncs.count
-
-    def _optimizer(self) -> Any:
-        raise NotImplementedError
 
     def count_flops(self) -> int:
         """One training step with its forward and backward FLOPs counted (a real step, untimed)."""
@@ -72,10 +85,10 @@ class Runner:
         return int(counter.get_total_flops())
 
     def finish(self) -> None:
-        pass
+        """Release what the contestant holds (temporary folders)."""
 
 
-class _LoopRunner(Runner):
+class LoopRunner(Runner):
     """The user's loop through an Accelerator (ours, or Hugging Face's: the API is the same)."""
 
     def __init__(self, acc: Any, model: torch.nn.Module, opt: Any, dl: Any, device: torch.device) -> None:
@@ -83,10 +96,11 @@ class _LoopRunner(Runner):
         self.acc, self.opt, self.dl = acc, opt, dl
         self._it = iter(dl)
 
-    def _optimizer(self) -> Any:
+    def prepared_optimizer(self) -> Any:
         return self.opt
 
-    def _next(self) -> Any:
+    def next_batch(self) -> Any:
+        """The loader's next batch; a new epoch after its last."""
         try:
             return next(self._it)
         except StopIteration:
@@ -94,7 +108,7 @@ class _LoopRunner(Runner):
             return next(self._it)
 
     def step(self, flops: flop_counter.FlopCounterMode | None = None) -> torch.Tensor:
-        batch = self._next()
+        batch = self.next_batch()
         with flops if flops is not None else contextlib.nullcontext():
             loss = loss_of(call_model(self.model, batch, self.model))
             self.acc.backward(loss)
@@ -103,7 +117,8 @@ class _LoopRunner(Runner):
         return loss.detach()
 
 
-def _adamw(params: Any, lr: float) -> torch.optim.Optimizer:
+def adamw(params: Any, lr: float) -> torch.optim.Optimizer:
+    """Every contestant's optimizer: fused AdamW (foreach where fused is not offered), no weight decay."""
     try:
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     except (RuntimeError, ValueError, TypeError):  # a device or dtype fused AdamW does not take
@@ -111,7 +126,7 @@ def _adamw(params: Any, lr: float) -> torch.optim.Optimizer:
 
 
 def mixprec_runner(job: Job, precision: str, config: BenchConfig, device: torch.device,
-                    compensation: str | None = None) -> _LoopRunner:
+                   compensation: str | None = None) -> LoopRunner:
     """The Accelerator's loop; ``compensation`` picks bf16-true's update (default: the config's first)."""
     acc = Accelerator(mixed_precision=precision, cpu=device.type == "cpu", compile=config.compile,
                       bf16_true_compensation=compensation or config.bf16_true_compensation[0],
@@ -119,14 +134,15 @@ def mixprec_runner(job: Job, precision: str, config: BenchConfig, device: torch.
     torch.manual_seed(config.seed)
     model = acc.prepare_model(job.build_model())
     # Built after prepare_model, so it sees the parameters in their final dtype (bf16-true).
-    opt = _adamw(list(model.parameters()), config.lr)
+    opt = adamw(list(model.parameters()), config.lr)
     prepared = acc.prepare_optimizer(opt)
-    runner = _LoopRunner(acc, model, prepared, acc.prepare_data_loader(job.train_loader(config)), device)
-    runner.optimizer = _describe(prepared.optimizer)  # bf16-true swaps in its compensated twin
+    runner = LoopRunner(acc, model, prepared, acc.prepare_data_loader(job.train_loader(config)), device)
+    runner.optimizer = describe_optimizer(prepared.optimizer)  # bf16-true swaps in its compensated twin
     return runner
 
 
-def _describe(opt: torch.optim.Optimizer) -> str:
+def describe_optimizer(opt: torch.optim.Optimizer) -> str:
+    """The optimizer's class and how it steps, e.g. ``"torch.optim.AdamW (fused)"``."""
     kind = type(opt)
     how = [k for k in ("fused", "foreach") if opt.defaults.get(k)] + (
         [f"{opt.defaults['compensation']} compensation"] if "compensation" in opt.defaults else []) + (
@@ -135,235 +151,153 @@ def _describe(opt: torch.optim.Optimizer) -> str:
         f" ({', '.join(how)})" if how else "")
 
 
-# -- without mixprec's Accelerator: the hand-written loop, and mixprec's Trainer ----------------
+# -- a Trainer as a contestant, through its callbacks -------------------------------------------
+class StepChunks:
+    """Callback events that time a Trainer's steps and end each planned chunk of them.
+
+    Mixed into each Trainer's own callback class (mixprec's and Hugging Face's have the same
+    events). The clock starts at ``on_train_begin`` and marks every ``on_step_end``, so a step's
+    time includes its batch's fetch, as a loop's does; a chunk's times go to ``times``. After a
+    chunk's last step, its ``then(control)`` runs: the other contestants' round (the Trainer
+    drives), or ``control.should_training_stop = True`` (the Trainer pauses).
+
+    Args:
+        device: where the steps run (CUDA steps are timed with events).
+        times: the list each chunk's step times are appended to.
+    """
+
+    def __init__(self, device: torch.device, times: list[float]) -> None:
+        self.device, self.times = device, times
+        self.plan: list[tuple[int, Callable[[Any], None]]] = []  # (steps, then(control)) per chunk
+        self._begin_chunk()
+
+    def _begin_chunk(self) -> None:
+        self._left = self.plan[0][0] if self.plan else -1
+        self._clock = Clock(self.device)
+        self._clock.mark()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._begin_chunk()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._clock.mark()
+        self._left -= 1
+        if self._left == 0:
+            self.times += self._clock.intervals()
+            _, then = self.plan.pop(0)
+            # Called bare: an autocast region around it, even a disabled one, would keep the
+            # others' cached bf16 copies of their weights alive across their optimizer steps.
+            then(control)
+            self._begin_chunk()
 
 
-class _TorchLoopRunner(_LoopRunner):
-    """The loop a user writes with torch alone: ``torch.autocast`` (plus ``torch.amp.GradScaler``
-    for fp16), or for bf16-true the model cast to bf16 and torch's AdamW, uncompensated."""
+def stop_training(control: Any) -> None:
+    """A chunk's end that pauses the Trainer: its ``train()`` returns after this step."""
+    control.should_training_stop = True
+
+
+class StepWindow(TrainerCallback):
+    """Runs the Trainer's next step, from ``on_step_begin`` to ``on_step_end``, inside the context
+    manager ``open(optimizer)`` returns (set ``open`` before the step); ``entered`` is what its
+    ``__enter__`` gave. Used once per ``open``."""
+
+    def __init__(self) -> None:
+        self.open: Callable[[Any], Any] | None = None
+        self.entered: Any = None
+        self._stack = contextlib.ExitStack()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        if self.open is not None:
+            opener, self.open = self.open, None
+            self.entered = self._stack.enter_context(opener(optimizer))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Leave the context manager, if the step that entered it did not (it raised)."""
+        self._stack.close()
+
+
+class MixprecTrainerRunner(Runner):
+    """mixprec's :class:`~mixprec.Trainer` as a contestant, through its public parts.
+
+    Each chunk of steps is one ``train()`` that a callback stops after the chunk; the next
+    ``train()`` goes on with the same model, optimizer and loss scale (the Trainer keeps them) and
+    the same prepared loader, rewound to where it stood (``state_dict``/``load_state_dict``: the
+    epoch's shuffle order, from its next unseen batch), so the Trainer trains exactly the batches
+    the other contestants do, and its steps are timed by :class:`StepChunks`.
+    """
 
     def __init__(self, job: Job, precision: str, config: BenchConfig, device: torch.device,
                  notes: list[str]) -> None:
-        torch.manual_seed(config.seed)
-        # What the policy says, written out as a torch user would: no mixprec plugin here.
-        policy = policy_for(precision)
-        model = job.build_model().to(device=device, dtype=policy.param_dtype)
-        opt = _adamw(list(model.parameters()), config.lr)
-        super().__init__(None, torch.compile(model) if config.compile else model, opt, job.train_loader(config),
-                         device)
-        self._dtype = policy.compute_dtype if policy.autocast_enabled else None
-        self.scaler = torch.amp.GradScaler(device.type) if policy.needs_loss_scaler else None
-        self.input_dtype = policy.param_dtype if policy.param_dtype != torch.float32 else None
-        self.optimizer = _describe(opt)
-
-    def step(self, flops: flop_counter.FlopCounterMode | None = None) -> torch.Tensor:
-        batch = send_to_device(self._next(), self.device, float_dtype=self.input_dtype)
-        autocast = torch.autocast(self.device.type, dtype=self._dtype) if self._dtype else contextlib.nullcontext()
-        with flops if flops is not None else contextlib.nullcontext():
-            with autocast:
-                loss = loss_of(call_model(self.model, batch, self.model))
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        if self.scaler is not None:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-
-class _MixprecTrainerRunner(Runner):
-    """mixprec's :class:`~mixprec.Trainer`, stepped through its loop's generator
-    (``Trainer._training_steps``), on the bench's dataloader (prepared by its own Accelerator)."""
-
-    def __init__(self, job: Job, precision: str, config: BenchConfig, device: torch.device,
-                 notes: list[str]) -> None:
-        from ..trainer import Trainer, TrainingArguments
-
+        super().__init__(None, device)
         self._dir = tempfile.TemporaryDirectory(prefix="mixprec-bench-trainer-")
         args = TrainingArguments(
             output_dir=self._dir.name, precision=precision, use_cpu=device.type == "cpu",
             optim="adamw_torch_fused", learning_rate=config.lr, weight_decay=0.0, lr_scheduler_type="constant",
-            max_grad_norm=0.0, per_device_train_batch_size=config.batch_size, max_steps=_steps_to_train(config),
+            max_grad_norm=0.0, per_device_train_batch_size=config.batch_size, max_steps=steps_to_train(config),
             logging_steps=10**9, save_strategy="no", report_to="none", disable_tqdm=True,
             remove_unused_columns=False, seed=config.seed, torch_compile=config.compile,
             bf16_true_compensation=config.bf16_true_compensation[0], bf16_true_state_dtype=config.bf16_true_state_dtype)
-        loader, runner = job.train_loader(config), self
+        runner, loaders = self, []
 
         class BenchTrainer(Trainer):
             # The bench's loader: the Trainer's own draws the same order (seeded alike) but keeps
             # a last partial batch; this way every contestant trains exactly the same batches.
             def get_train_dataloader(self) -> Any:
-                return self.accelerator.prepare_data_loader(loader)
+                if not loaders:
+                    loaders.append(self.accelerator.prepare_data_loader(job.train_loader(config)))
+                else:  # a later chunk: on at the next batch (the loop left the epoch mid-way)
+                    loaders[0].load_state_dict(loaders[0].state_dict())
+                return loaders[0]
 
             def training_step(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
-                runner._loss = super().training_step(model, inputs)
-                return runner._loss
+                loss = super().training_step(model, inputs)
+                runner.losses.append(loss)
+                return loss
 
+        class Chunks(StepChunks, TrainerCallback):
+            pass
+
+        self.chunks, self.window = Chunks(device, self.times), StepWindow()
         torch.manual_seed(config.seed)
         self.trainer = BenchTrainer(model=job.build_model(), args=args, train_dataset=job.train,
-                                    data_collator=job.collate_fn)
+                                    data_collator=job.collate_fn, callbacks=[self.chunks, self.window])
         self.trainer.remove_callback(PrinterCallback)  # the bench prints its own table
-        super().__init__(self.trainer.model_wrapped, device)
-        self._loss = torch.zeros(())
-        self._steps = self.trainer._training_steps()
+        self.model = self.trainer.model_wrapped
+
+    def run_chunk(self, n: int) -> None:
+        """Train ``n`` steps: one ``train()``, stopped by :class:`StepChunks` after them."""
+        if n == 0:
+            return
+        self.chunks.plan.append((n, stop_training))
+        try:
+            self.trainer.train()
+        finally:
+            self.window.close()
+        if self.chunks.plan:  # train() ended first: the epochs that max_steps makes room for are done
+            self.chunks.plan.clear()
+            raise RuntimeError(f"the Trainer stopped before the chunk's end: it trains at most the "
+                               f"epochs of its max_steps={self.trainer.args.max_steps}")
+        if not self.optimizer:  # the Trainer makes it when its first train() starts
+            self.optimizer = describe_optimizer(self.trainer.optimizer.optimizer)
 
     def step(self, flops: flop_counter.FlopCounterMode | None = None) -> torch.Tensor:
-        with flops if flops is not None else contextlib.nullcontext():
-            if next(self._steps, None) is None:
-                raise RuntimeError(f"the Trainer ended at its max_steps={self.trainer.args.max_steps}")
-        if not self.optimizer:  # the Trainer makes it when its loop starts
-            self.optimizer = _describe(self.trainer.optimizer.optimizer)
-        return self._loss
+        """One real step (a ``train()`` of one), its forward, backward and optimizer step under ``flops``."""
+        if flops is not None:
+            self.window.open = lambda optimizer: flops
+        self.run_chunk(1)
+        return self.losses[-1]
 
-    def _optimizer(self) -> Any:
+    def count_syncs(self) -> int:
+        """Host-device syncs in one Trainer step, from ``on_step_begin`` to ``on_step_end``."""
+        self.window.open = lambda optimizer: count_host_syncs(self.device, ignore=host_side_tensors(optimizer))
+        self.run_chunk(1)
+        return self.window.entered.count
+
+    def prepared_optimizer(self) -> Any:
         return self.trainer.optimizer
 
     def finish(self) -> None:
-        self._steps.close()
         self._dir.cleanup()
-
-
-# Untimed steps besides the warm-up: one counts the FLOPs, one the host syncs (the Hugging Face
-# Trainer, which cannot be stepped alone, trains as many before its rounds: the same batches).
-_COUNTING_STEPS = 2
-
-
-def _steps_to_train(config: BenchConfig) -> int:
-    """Every contestant's steps: the counting ones, the warm-up, the rounds."""
-    return _COUNTING_STEPS + config.warmup + config.rounds * config.steps
-
-
-# -- Hugging Face, for comparison ------------------------------------------------------------------
-_HF_PRECISIONS = ("bf16-mixed", "fp16-mixed", "fp32")  # what Hugging Face offers too, by preference
-_ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16"}
-
-
-def compare_precision(precisions: tuple[str, ...], name: str = "hf") -> str:
-    """The precision contestant ``name`` runs at: bf16-mixed where benchmarked (Hugging Face's
-    ``bf16=True``), else the first benchmarked one it offers too (bf16-true last, and only for the
-    torch loop and mixprec's Trainer: Hugging Face has none); bf16-mixed when none is."""
-    offered = _HF_PRECISIONS + (("bf16-true",) if name in ("torch", "trainer") else ())
-    return next((p for p in offered if p in precisions), "bf16-mixed")
-
-
-def hf_missing(name: str) -> str:
-    if name not in ("hf", "accelerate"):
-        return ""
-    needed = ("transformers", "accelerate") if name == "hf" else ("accelerate",)
-    missing = [m for m in needed if importlib.util.find_spec(m) is None]
-    return f"{' and '.join(missing)} not installed (pip install {' '.join(missing)})" if missing else ""
-
-
-def _accelerate_runner(job: Job, precision: str, config: BenchConfig, device: torch.device,
-                       notes: list[str]) -> _LoopRunner:
-    import accelerate
-
-    acc = accelerate.Accelerator(mixed_precision=_ACCELERATE_NAMES[precision], cpu=device.type == "cpu",
-                                 dynamo_backend="inductor" if config.compile else None)
-    if precision == "fp16-mixed" and not getattr(acc, "native_amp", True):
-        notes.append(f"Hugging Face Accelerate runs fp16-mixed on {device.type} as fp32 (no autocast, no scaler)")
-    torch.manual_seed(config.seed)
-    model = job.build_model().to(device)
-    opt = _adamw(list(model.parameters()), config.lr)
-    model, opt, dl = acc.prepare(model, opt, job.train_loader(config))
-    runner = _LoopRunner(acc, model, opt, dl, device)
-    runner.optimizer = _describe(opt.optimizer)
-    return runner
-
-
-class TrainerRunner:
-    """The Hugging Face Trainer as a contestant. ``train()`` cannot be paused, so it drives: a
-    callback runs the other contestants' round after each of its chunks of steps. (Not a thread:
-    on the CPU a second thread running torch gets its own OpenMP team, and from then on every
-    step in the process, ours too, ran 2-3x slower in our measurements.)"""
-
-    def __init__(self, job: Job, precision: str, config: BenchConfig, device: torch.device,
-                 notes: list[str]) -> None:
-        import transformers
-
-        self.device, self.times, self.losses = device, [], []
-        self.optimizer = "optim='adamw_torch_fused'"
-        self._chunks: list[tuple[int, Callable[[], None]]] = []
-        self._left, self._clock = 0, Clock(device)
-        torch.manual_seed(config.seed)
-        self.model = job.build_model()
-        if dataclasses.is_dataclass(getattr(self.model, "config", None)):
-            # The Trainer writes model.config attributes; give it a mutable copy of a frozen config.
-            self.model.config = types.SimpleNamespace(**dataclasses.asdict(self.model.config))
-        self.model.register_forward_hook(self._record_loss)
-        self._dir = tempfile.TemporaryDirectory(prefix="mixprec-bench-hf-")
-        args = transformers.TrainingArguments(
-            output_dir=self._dir.name, bf16=precision == "bf16-mixed", fp16=precision == "fp16-mixed",
-            use_cpu=device.type == "cpu", optim="adamw_torch_fused", learning_rate=config.lr, weight_decay=0.0,
-            lr_scheduler_type="constant", max_grad_norm=0.0, per_device_train_batch_size=config.batch_size,
-            max_steps=_steps_to_train(config), logging_strategy="no", save_strategy="no", report_to="none",
-            disable_tqdm=True, remove_unused_columns=False, seed=config.seed, torch_compile=config.compile)
-        loader, runner = job.train_loader(config), self
-
-        class Trainer(transformers.Trainer):
-            # The documented override. Unprepared, so that Accelerate's seedable sampler keeps the
-            # others' data order; one process needs no sharding, and the Trainer moves each batch.
-            def get_train_dataloader(self) -> Any:
-                return loader
-
-        class Chunks(transformers.TrainerCallback):
-            def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
-                runner._next_chunk()
-
-            def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-                runner._step_end()
-
-        self.trainer = Trainer(model=self.model, args=args, train_dataset=job.train, data_collator=job.collate_fn,
-                               callbacks=[Chunks()])
-        self.trainer.remove_callback(transformers.PrinterCallback)  # it prints the final metrics
-        if precision == "fp16-mixed" and not getattr(self.trainer.accelerator, "native_amp", True):
-            notes.append(f"the Hugging Face Trainer runs fp16-mixed on {device.type} as fp32 (no autocast, no scaler)")
-
-    def _record_loss(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if module.training:
-            self.losses.append(loss_of(output).detach())
-
-    def _next_chunk(self) -> None:
-        self._left = self._chunks[0][0] if self._chunks else -1
-        self._clock = Clock(self.device)
-        self._clock.mark()
-
-    def _step_end(self) -> None:
-        self._clock.mark()
-        self._left -= 1
-        if self._left == 0:
-            self.times += self._clock.intervals()
-            _, then = self._chunks.pop(0)
-            # Called bare: an autocast region around it, even a disabled one, would keep the
-            # others' cached bf16 copies of their weights alive across their optimizer steps.
-            then()
-            self._next_chunk()
-
-    def train(self, config: BenchConfig, play_round: Callable[[int], None]) -> None:
-        """Train the warm-up and every round's chunk, calling ``play_round(r)`` after chunk ``r``."""
-        def warmed_up() -> None:
-            self.times.clear()
-            self.losses.clear()
-
-        self._chunks = [(_COUNTING_STEPS + config.warmup, warmed_up)] + [
-            (config.steps, lambda r=r: play_round(r)) for r in range(config.rounds)]
-        self.trainer.train()
-
-    def finish(self) -> None:
-        self._dir.cleanup()
-
-
-# Each --compare name: its row's label, and what builds it (job, precision, config, device, notes).
-RIVALS = {"torch": "torch-loop", "trainer": "mixprec-trainer", "hf": "hf-trainer", "accelerate": "accelerate"}
-RIVAL_FACTORIES = {"torch": _TorchLoopRunner, "trainer": _MixprecTrainerRunner, "hf": TrainerRunner,
-                    "accelerate": _accelerate_runner}
-
-
-def reset_hf_state() -> None:
-    # Accelerate keeps one process-wide state ("Borg"); clear it so a later run may differ.
-    state = sys.modules.get("accelerate.state")
-    for cls, args in (("AcceleratorState", (True,)), ("GradientState", ())):
-        reset = getattr(getattr(state, cls, None), "_reset_state", None)
-        if reset is not None:
-            reset(*args)

@@ -177,7 +177,7 @@ def format_table(result: dict[str, Any]) -> str:
     notes.append(f"speed-up: throughput over {base}'s, the median over rounds of each round's ratio; TFLOP/s: "
                  "forward+backward FLOPs / median step time; % of peak: of the compute dtype's matmul peak "
                  "measured after the same round (median over rounds); syncs: host-device syncs in one step "
-                 "(mixprec.bench.count_host_syncs: on the CPU, the reads that would wait for an accelerator)")
+                 "(mixprec.diagnostics.count_host_syncs: on the CPU, the reads that would wait for an accelerator)")
     return "\n".join(lines + ([""] + [f"note: {n}" for n in notes] if notes else []))
 
 

@@ -7,6 +7,8 @@
 * :data:`FORMAT_LIMITS`: the fp16 and bf16 range facts, from ``torch.finfo``.
 * :class:`DiagnosticsConfig` / :class:`Monitor`: the same, switched on in an Accelerator or Trainer.
 * :func:`mixprec.diagnostics.hf.DiagnosticsCallback`: the same for the Hugging Face Trainer.
+* :func:`count_host_syncs`: the host-device syncs a block of code makes (``mixprec bench``'s
+  ``syncs`` column), with :func:`host_side_tensors` naming the optimizer's host-side counters.
 
 Nothing here changes a gradient, an activation, a parameter or an RNG stream, and nothing
 syncs the host with the device except the methods whose docstrings say so.
@@ -16,6 +18,7 @@ from .drift import precision_drift
 from .gradient_stats import GradientStats
 from .limits import FORMAT_LIMITS, FormatLimits, format_limits
 from .monitor import DiagnosticsConfig, Monitor
+from .syncs import HostSyncs, SyncEvent, count_host_syncs, host_side_tensors
 from .tracer import OverflowTracer, TraceEvent
 
 __all__ = [
@@ -23,9 +26,13 @@ __all__ = [
     "FORMAT_LIMITS",
     "FormatLimits",
     "GradientStats",
+    "HostSyncs",
     "Monitor",
     "OverflowTracer",
+    "SyncEvent",
     "TraceEvent",
+    "count_host_syncs",
     "format_limits",
+    "host_side_tensors",
     "precision_drift",
 ]
