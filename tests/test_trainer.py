@@ -505,14 +505,3 @@ def test_the_automatic_fused_optimizer_gives_the_plain_paths_parameters(tmp_path
     assert trainer_opt.defaults["fused"] is True
     for a, b in zip(fast.parameters(), plain.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_the_training_loop_pauses_after_each_optimizer_step_and_ends_as_train_does(tmp_path):
-    # The bench interleaves the Trainer with other loops through this private generator.
-    trainer = Trainer(model=Classifier(), args=args(tmp_path, max_steps=3, gradient_accumulation_steps=2),
-                      train_dataset=blobs(64))
-    steps = trainer._training_steps()
-    assert [next(steps) for _ in range(3)] == [1, 2, 3]  # one pause per optimizer step, not per micro-batch
-    with pytest.raises(StopIteration) as done:
-        next(steps)
-    assert done.value.value.global_step == 3 and trainer.state.global_step == 3

@@ -292,13 +292,7 @@ class Trainer:
         self._ignore_keys_for_eval = ignore_keys_for_eval
         self.args.validate()
         with self._output_dir_lock():
-            steps = self._training_steps(resume_from_checkpoint)
-            while True:
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    result = done.value
-                    break
+            result = self._train(resume_from_checkpoint)
         if self._preempted_at is not None:
             raise SystemExit(PREEMPTED_EXIT_CODE)
         return result
@@ -321,9 +315,8 @@ class Trainer:
         finally:
             lock.__exit__(None, None, None)
 
-    def _training_steps(self, resume_from_checkpoint: str | bool | None = None) -> Generator[int, None, TrainOutput]:
-        """:meth:`train`'s loop, paused after each optimizer step (yielding ``global_step``), so a
-        caller can interleave it with other work (``mixprec bench`` does); returns the ``TrainOutput``."""
+    def _train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """:meth:`train`'s set-up, loop and summary (inside the output folder's lock)."""
         args = self.args
         args.validate()  # fields may have been assigned since the Trainer was made
         if self.model_init is not None:  # every run starts from a fresh model, as in Hugging Face
@@ -398,19 +391,17 @@ class Trainer:
             self.evaluate(ignore_keys=self._ignore_keys_for_eval)
         epochs = range(train_dl.epoch, num_epochs) if self.state.global_step < max_steps else range(0)
         with Preemption() as self._preemption:
-            yield from self._epochs(model, train_dl, epochs, max_steps)
+            self._epochs(model, train_dl, epochs, max_steps)
         return self._finish(start_time)
 
-    def _epochs(self, model: torch.nn.Module, train_dl: Any, epochs: range, max_steps: int) -> Generator[int, None, None]:
+    def _epochs(self, model: torch.nn.Module, train_dl: Any, epochs: range, max_steps: int) -> None:
         acc = self.accelerator
         for epoch in epochs:
             train_dl.set_epoch(epoch)
             self._event("on_epoch_begin")
             for batch in train_dl:
                 with acc.accumulate(model):
-                    stepped = self._train_one(model, batch, epoch, train_dl)
-                if stepped:
-                    yield self.state.global_step
+                    self._train_one(model, batch, epoch, train_dl)
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
             if self._preempted_at is not None:  # stop as saved: no epoch-end evaluation after the checkpoint
