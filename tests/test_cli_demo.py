@@ -26,6 +26,7 @@ def test_demo_trains_both_runs_and_writes_the_run_folder(tmp_path, capsys):
     assert (out / "fp32" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_demo_with_fp16_writes_the_loss_scale_plot(tmp_path, capsys):
     out = tmp_path / "demo16"
     rc = main(["demo", "--size", "tiny", "--precision", "fp16", "--steps", "8", "--fp32-steps", "4",
