@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -40,5 +42,13 @@ def test_compiled_training_matches_eager_to_the_precisions_tolerance(precision):
 def test_trainer_torch_compile_trains(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), torch_compile=True, bf16=True, max_steps=6, disable_tqdm=True,
                              save_strategy="no", per_device_train_batch_size=16)
-    out = Trainer(model=Classifier(), args=args, train_dataset=blobs(128)).train()
-    assert out.global_step == 6 and out.training_loss == out.training_loss  # finite, not NaN
+    torch.manual_seed(0)
+    model = Classifier()
+    data = blobs(128)
+    x, y = torch.stack([d["features"] for d in data]), torch.tensor([d["label"] for d in data])
+    before = model(x, labels=y).loss.item()
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    out = trainer.train()
+    assert isinstance(trainer.accelerator.prepared.models[0], torch._dynamo.eval_frame.OptimizedModule)
+    assert out.global_step == 6 and math.isfinite(out.training_loss)
+    assert model(x, labels=y).loss.item() < before  # it trained: the compiled steps updated the weights

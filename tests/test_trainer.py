@@ -296,9 +296,24 @@ def test_a_column_the_forward_does_not_accept_is_named_with_the_signature(tmp_pa
 
 
 def test_unused_columns_are_removed_by_default(tmp_path):
+    """A column forward does not accept is dropped (Hugging Face's default); a forward that takes
+    **kwargs accepts every column, so there nothing is dropped (Hugging Face would drop them)."""
     data = [{**s, "extra": 1} for s in blobs(64)]
-    out = Trainer(model=Classifier(), args=args(tmp_path, max_steps=3), train_dataset=data).train()
-    assert out.global_step == 3
+
+    def trained_with(model, **kw):
+        seen = set()
+        model.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
+        Trainer(model=model, args=args(tmp_path, max_steps=2, **kw), train_dataset=data).train()
+        return seen
+
+    class TakesKwargs(Classifier):
+        def forward(self, features, labels=None, **kwargs):
+            return super().forward(features, labels)
+
+    assert trained_with(Classifier()) == {"features", "labels"}  # forward(features, labels)
+    assert trained_with(TakesKwargs()) == {"features", "labels", "extra"}
+    with pytest.raises(ValueError, match="column 'extra' that Classifier.forward.*does not accept"):
+        trained_with(Classifier(), remove_unused_columns=False)
 
 
 class CountingDataset(torch.utils.data.Dataset):
