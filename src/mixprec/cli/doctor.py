@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
-    from ..diagnostics.doctor import DoctorConfig, run_doctor
+    from ..doctor import DoctorConfig, run_doctor
     from .train import build_task
 
     try:
@@ -44,8 +44,12 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
         return 2
     out = Path(args.out or f"runs/doctor-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"mixprec doctor: {task.name}, {args.steps} steps each in fp32, fp16-mixed, bf16-mixed ...")
-    report = run_doctor(task.build_model, task.train_dataset, out, collate=task.collate_fn, config=doctor,
-                        task_name=task.name)
+    try:
+        report = run_doctor(task.build_model, task.train_dataset, out, collate=task.collate_fn, config=doctor,
+                            task_name=task.name)
+    except ValueError as e:  # e.g. a model that returns no loss (mixprec.outputs.loss_of says what it must return)
+        print(f"mixprec doctor: error: {e}", file=sys.stderr)
+        return 2
     rec = report["recommendation"]
     print(f"\nrecommendation: {rec['precision']}")
     for reason in rec["reasons"]:

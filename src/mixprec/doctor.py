@@ -4,6 +4,9 @@ Each probe trains a fresh copy of the model (same seed, same batches) for a few 
 gradient statistics and the overflow tracer on. The fp32 probe's gradients are the truth: their
 histogram over the fp16 and bf16 number lines, with and without fp16's starting loss scale,
 shows what each format would keep. The fp16 probe shows what the loss scaler did.
+
+The doctor drives the Accelerator, so it sits above it, beside the CLI: ``mixprec.diagnostics``
+stays the observation-only instruments that the doctor (and every tier) switches on.
 """
 
 from __future__ import annotations
@@ -18,13 +21,12 @@ from typing import Any
 
 import torch
 
-from ..accelerator import Accelerator
-from ..hardware import detect_capability
-from ..precision import PrecisionPerformanceWarning
-from ..trainer.outputs import call_model, extract_loss
-from .gradient_stats import GradientStats
-from .limits import FORMAT_LIMITS
-from .monitor import DiagnosticsConfig
+from .accelerator import Accelerator
+from .diagnostics import FORMAT_LIMITS, DiagnosticsConfig, GradientStats
+from .hardware import detect_capability
+from .outputs import loss_of
+from .precision import PrecisionPerformanceWarning
+from .trainer.outputs import call_model
 
 __all__ = ["DoctorConfig", "run_doctor", "recommend"]
 
@@ -55,14 +57,6 @@ class DoctorConfig:
             raise ValueError(f"steps must be an int >= 1, got {self.steps!r}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
-
-
-def loss_of(outputs: Any) -> torch.Tensor:
-
-    loss = extract_loss(outputs)
-    if loss is None:
-        raise ValueError("the model returned no loss: doctor needs batches with labels and a model that returns a loss")
-    return loss
 
 
 def _probe(precision: str, build_model: Callable[[], torch.nn.Module], dataset: Any, collate: Any,
@@ -189,8 +183,8 @@ def run_doctor(build_model: Callable[[], torch.nn.Module], dataset: Any, out: st
         >>> t = get_task("pycode", "tiny")  # doctest: +SKIP
         >>> run_doctor(t.build_model, t.train_dataset, "doctor", collate=t.collate_fn)["recommendation"]  # doctest: +SKIP
     """
-    from ..trainer.data import collate as default_collate
-    from .plots import plot_gradient_histogram, plot_layer_underflow
+    from .plots import plot_gradient_histogram, plot_layer_underflow, plot_loss_scale
+    from .trainer.data import collate as default_collate
 
     cfg = config or DoctorConfig()
     out = Path(out)
@@ -200,8 +194,6 @@ def run_doctor(build_model: Callable[[], torch.nn.Module], dataset: Any, out: st
     cap = detect_capability(device)
     layers = _layers(probes["fp32"])
     rec = recommend(probes, layers, cap.is_native("bf16-mixed"), device.type)
-    from ..plots import plot_loss_scale
-
     plots = {
         "gradient_histogram": plot_gradient_histogram(probes["fp32"], out / "gradient_histogram.png",
                                                       scale=FP16_INIT_SCALE, title=f"{task_name}: gradients (fp32 probe)"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mixprec.cli import main
-from mixprec.diagnostics.doctor import DoctorConfig, run_doctor
+from mixprec.doctor import DoctorConfig, run_doctor
 
 from toys import blobs
 
@@ -57,3 +57,40 @@ def test_doctor_sees_the_underflow_of_a_tiny_loss_and_what_scaling_saves(tmp_pat
 def test_doctor_without_a_task_says_how_to_name_one(capsys):
     assert main(["doctor"]) == 2
     assert "say which task" in capsys.readouterr().err
+
+
+class NoLoss(torch.nn.Module):
+    """Returns logits only: nothing for the doctor to train on."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, features, labels):
+        return self.head(features)
+
+
+def test_a_model_without_a_loss_is_a_value_error_that_says_what_to_return(tmp_path):
+    with pytest.raises(ValueError, match="without a loss; its forward must return"):
+        run_doctor(NoLoss, blobs(16), tmp_path, config=DoctorConfig(steps=1, batch_size=8, cpu=True))
+
+
+def test_the_cli_says_a_model_without_a_loss_on_stderr_and_exits_2(tmp_path, monkeypatch, capsys):
+    (tmp_path / "noloss_task.py").write_text(
+        "import torch\n"
+        "from toys import blobs\n"
+        "class NoLoss(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.head = torch.nn.Linear(16, 4)\n"
+        "    def forward(self, features, labels):\n"
+        "        return self.head(features)\n"
+        "def model():\n    return NoLoss()\n"
+        "def data():\n    return blobs(16)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = main(["doctor", "--model", "noloss_task:model", "--data", "noloss_task:data", "--steps", "1", "--cpu",
+               "--out", str(tmp_path / "doc")])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert "mixprec doctor: error: the model returned Tensor without a loss" in captured.err
+    assert "error" not in captured.out
