@@ -236,6 +236,7 @@ class _Read:
 
 FOUND_INF_READ = _Read("item", "scaler.py", "found_inf_per_device")  # before a non-fused step: step or skip?
 LAST_STEP_READ = _Read("item", "scaler.py", "_last_found_inf.item()")  # last_step_applied
+INPUTS_FINITE_READ = _Read("__bool__", "nonfinite.py", "isfinite")  # a skipped step's inputs, all at once
 COLLAPSE_READ = _Read("item", "scaler.py", "_consecutive.item()")  # the max_consecutive_skips check
 STEP_COUNTER_READ = _Read("item", "optim.py", ".item()")  # the compensated AdamW's CPU step counter
 
@@ -298,7 +299,7 @@ class _CountEachStep(TrainerCallback):
 
 
 def _train(max_steps: int, **overrides):
-    """A Trainer run that never logs nor saves: (syncs per step, syncs of the whole train())."""
+    """A Trainer run that never logs nor saves: (syncs per step, syncs of the whole train(), its skipped steps)."""
     torch.manual_seed(0)
     kw = dict(bf16=True, logging_steps=10**6, save_strategy="no", report_to="none", disable_tqdm=True,
               use_cpu=True, max_grad_norm=1.0, max_steps=max_steps, per_device_train_batch_size=8)
@@ -309,23 +310,26 @@ def _train(max_steps: int, **overrides):
                           train_dataset=blobs(256), callbacks=[each])
         with count_host_syncs("cpu") as whole:
             trainer.train()
-    return each.per_step, whole.count
+    return each.per_step, whole.count, trainer.state.skipped_steps
 
 
 def test_trainer_bf16_steps_make_no_sync():
-    per_step, _ = _train(5)
+    per_step, _, _ = _train(5)
     assert per_step == [[]] * 5
 
 
 def test_trainer_runs_of_different_lengths_make_the_same_syncs():
     # What a run costs once (the loader's seed and shuffle order, the final loss) cancels out.
-    (_, short), (_, long) = _train(3), _train(9)
+    (_, short, _), (_, long, _) = _train(3), _train(9)
     assert long - short == 0
 
 
 def test_trainer_fp16_step_reads_once_whether_to_advance_the_schedule():
-    per_step, _ = _train(4, bf16=False, fp16=True)
-    assert per_step == [[LAST_STEP_READ]] * 4
+    """An applied step reads once; a skipped one (the loss scale is calibrating) reads once more:
+    whether its inputs are all finite (the bad-batch report), a single read for all of them."""
+    per_step, _, skipped = _train(4, bf16=False, fp16=True)
+    assert 0 < skipped < 4  # both kinds of step are seen
+    assert per_step == [[LAST_STEP_READ, INPUTS_FINITE_READ]] * skipped + [[LAST_STEP_READ]] * (4 - skipped)
 
 
 # -- CUDA --------------------------------------------------------------------------------------

@@ -105,13 +105,17 @@ def _float_tensors(data: Any, name: str = "") -> list[tuple[str, torch.Tensor]]:
 def find_nonfinite_inputs(batches: list[tuple[int, int, Any]], loader: Any = None) -> list[BadBatch]:
     """The micro-batches among ``batches`` (``(epoch, position, batch)`` each) whose float tensors
     hold inf/NaN, with the rows and, where ``loader`` (a prepared dataloader) knows them, the
-    dataset indices of those rows. Syncs (one read per float tensor): call it for a skipped step only.
+    dataset indices of those rows. Syncs once when every input is finite (the usual case: an fp16
+    overflow skip), and once per float tensor more when one is not: call it for a skipped step only.
 
     Example:
         >>> x = torch.ones(4, 2); x[2, 1] = float("nan")
         >>> [str(b) for b in find_nonfinite_inputs([(0, 5, {"x": x, "y": torch.ones(4)})])]
         ["epoch 0, batch 5 (0-based): inf/NaN in 'x' at rows [2] of the batch"]
     """
+    tensors = [t for _, _, batch in batches for _, t in _float_tensors(batch)]
+    if not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()):
+        return []  # one read for all of them
     found = []
     for epoch, position, batch in batches:
         fields: dict[str, list[int]] = {}
