@@ -236,14 +236,6 @@ def build_job(config: BenchConfig) -> Job:
     return Job.of(load_task(config.task, **options), config)
 
 
-def loss_of(out: Any) -> torch.Tensor:
-    loss = out if isinstance(out, torch.Tensor) else out["loss"] if isinstance(out, Mapping) else getattr(out, "loss", None)
-    if loss is None:
-        raise TypeError(f"the model returned {type(out).__name__} without a loss; its forward must return .loss, "
-                        "['loss'] or a tensor when the batch holds labels")
-    return loss
-
-
 def tokens_per_sample(batch: Any) -> int | None:
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None

@@ -16,9 +16,10 @@ from torch.utils.data import DataLoader
 
 from ..data import send_to_device
 from ..hardware import default_device, detect_capability
+from ..outputs import loss_of
 from ..precision import PrecisionPerformanceWarning, policy_for
 from ..trainer.outputs import call_model
-from .config import DEFAULT_PRECISIONS, BenchConfig, Job, build_job, loss_of, tokens_per_sample
+from .config import DEFAULT_PRECISIONS, BenchConfig, Job, build_job, tokens_per_sample
 from .measure import dtype_name, matmul_peak, profile_step
 from .memory import measure_memory
 from .rivals import RIVAL_FACTORIES, RIVALS, HFTrainerRunner, compare_precision, hf_missing, reset_hf_state

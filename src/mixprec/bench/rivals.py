@@ -17,9 +17,10 @@ import torch
 from torch.utils import flop_counter
 
 from ..data import send_to_device
+from ..outputs import loss_of
 from ..precision import policy_for
 from ..trainer.outputs import call_model
-from .config import BenchConfig, Job, loss_of
+from .config import BenchConfig, Job
 from .runners import (
     COUNTING_STEPS,
     LoopRunner,

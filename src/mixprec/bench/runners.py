@@ -16,9 +16,10 @@ from torch.utils import flop_counter
 
 from ..accelerator import Accelerator
 from ..diagnostics.syncs import count_host_syncs, host_side_tensors
+from ..outputs import loss_of
 from ..trainer import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 from ..trainer.outputs import call_model
-from .config import BenchConfig, Job, loss_of
+from .config import BenchConfig, Job
 from .measure import CPU_SDPA_FLOPS, Clock
 
 __all__ = ["Runner", "LoopRunner", "MixprecTrainerRunner", "StepChunks", "StepWindow", "mixprec_runner",

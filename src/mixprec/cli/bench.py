@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench import DEFAULT_PRECISIONS, BenchConfig, run_bench
+from ..nested import tree_map
 
 __all__ = ["register", "run", "format_table", "plot_result", "write_json"]
 
@@ -182,13 +183,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN or infinity
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+    # JSON has no NaN or infinity
+    return tree_map(lambda v: None if isinstance(v, float) and not math.isfinite(v) else v, value)
 
 
 def write_json(result: dict[str, Any], path: Path) -> None:
