@@ -17,6 +17,7 @@ from typing import Any
 
 from ..bench import DEFAULT_PRECISIONS, BenchConfig, run_bench
 from ..nested import tree_map
+from ..tasks import DATA_CONTRACT, PYCODE_SIZES, TASKS
 
 __all__ = ["register", "run", "format_table", "plot_result", "write_json"]
 
@@ -43,11 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--task", default="pycode", help="built-in task: pycode (default) or digits")
-    p.add_argument("--size", default=None, help="pycode's size: tiny, mini (default) or small")
+    p.add_argument("--task", default="pycode", help=f"built-in task: {' or '.join(TASKS)} (default pycode)")
+    p.add_argument("--size", default=None, help=f"pycode's size: {', '.join(PYCODE_SIZES)} (default mini)")
     p.add_argument("--arch", default="mlp", help="digits' model: mlp (default) or cnn")
     p.add_argument("--model", metavar="MODULE:FACTORY", help="your model factory (forward returns .loss)")
-    p.add_argument("--data", metavar="MODULE:FACTORY", help="your data factory: a dataset or (train, eval)")
+    p.add_argument("--data", metavar="MODULE:FACTORY", help=f"your data factory, returning {DATA_CONTRACT}")
     p.add_argument("--precisions", default=None,
                    help=f"comma-separated precisions (default: {','.join(DEFAULT_PRECISIONS)}, less those this "
                    "device runs impractically slowly, e.g. fp16-mixed on a CPU without an fp16 matrix kernel)")
