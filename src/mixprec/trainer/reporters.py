@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,56 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+class _LogLines:
+    """What tqdm writes to when stderr is a log, a pipe or CI's console rather than a terminal.
+
+    On a terminal tqdm redraws its bar in place after a carriage return; in a log every redraw
+    stays, run together on one line. Here each redraw becomes one line of its own, and the bar's
+    ``mininterval`` keeps them ``ProgressCallback(log_interval=...)`` seconds apart.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").rstrip()  # tqdm pads a shorter frame with spaces to cover the last
+        if line:
+            self._stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+def _bar_options(stream: Any, log_interval: float) -> dict[str, Any]:
+    """tqdm's options for ``stream``: a bar redrawn in place on a terminal (or a notebook's widget),
+    one line every ``log_interval`` seconds anywhere else."""
+    from tqdm.autonotebook import tqdm as shown_bar
+    from tqdm.std import tqdm as text_bar
+
+    isatty = getattr(stream, "isatty", None)
+    if shown_bar is not text_bar or (isatty is not None and isatty()):
+        return {"file": stream, "dynamic_ncols": True}
+    return {"file": _LogLines(stream), "mininterval": log_interval, "ncols": 100}
+
+
 class ProgressCallback(TrainerCallback):
     """A tqdm bar over optimizer steps, showing loss, learning rate, loss scale and skipped steps.
 
+    On a terminal the bar is redrawn in place. When stderr is not a terminal (a log file, a pipe,
+    a CI console) it prints one line every ``log_interval`` seconds instead of a frame per step.
     Skipped steps are summarised once per log, by number ("3 steps skipped for overflow (inf/NaN
     gradients) since the last log: steps 3, 4, 9; scale 2048"), never one line per step.
+
+    Args:
+        log_interval: seconds between the bar's lines when stderr is not a terminal.
+
+    Example:
+        >>> trainer.remove_callback(ProgressCallback)  # doctest: +SKIP
+        >>> trainer.add_callback(ProgressCallback(log_interval=30.0))  # a line every 30 s in a log  # doctest: +SKIP
     """
 
-    def __init__(self) -> None:
+    def __init__(self, log_interval: float = 5.0) -> None:
+        self.log_interval = log_interval
         self.bar = None
         self._skipped_at_last_log = 0
 
@@ -37,7 +80,8 @@ class ProgressCallback(TrainerCallback):
         if state.is_world_process_zero:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train",
+                            **_bar_options(sys.stderr, self.log_interval))
             self._skipped_at_last_log = state.skipped_steps
 
     def on_step_end(self, args, state, control, **kwargs):
