@@ -5,17 +5,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from mixprec import Accelerator
 from mixprec.audit import expected_dtypes
-from test_fsdp import free_port
 
-SCRIPT = Path(__file__).parent / "scripts" / "audit_check.py"
+from toys import SCRIPTS, torchrun
+
+SCRIPT = SCRIPTS / "audit_check.py"
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
 
@@ -107,8 +106,7 @@ def test_the_contract_names_its_inputs():
 def test_every_precision_meets_its_contract_with_two_processes(tmp_path, mode):
     """2 gloo ranks: each precision trains, saves, loads and reports; under FSDP2 a policy that
     drops reduce_dtype (bf16 all-reduce instead of fp32) is caught."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), str(tmp_path), mode]
+    cmd = torchrun(SCRIPT, str(tmp_path), mode)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     reports = json.loads((tmp_path / f"{mode}.json").read_text())

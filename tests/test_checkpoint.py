@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -15,9 +14,9 @@ import torch
 from mixprec import Accelerator, CheckpointError
 from mixprec.checkpoint import is_complete_checkpoint, verify_checkpoint, write_checkpoint
 
-from toys import TinyLM
+from toys import SCRIPTS, TinyLM
 
-SCRIPT = Path(__file__).parent / "scripts" / "resume_accel.py"
+SCRIPT = SCRIPTS / "resume_accel.py"
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
 
 
@@ -146,7 +145,7 @@ def test_save_model_writes_loadable_safetensors(tmp_path):
 
 def test_a_checkpoint_write_that_fails_for_real_leaves_the_previous_one_and_says_what_it_needs(tmp_path):
     """A file size limit (RLIMIT_FSIZE) makes the second save fail with EFBIG, as a full disk would."""
-    script = Path(__file__).parent / "scripts" / "full_disk.py"
+    script = SCRIPTS / "full_disk.py"
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
-from toys import Regression
+from toys import SCRIPTS, Regression, torchrun
 
-SCRIPT = Path(__file__).parent / "scripts" / "ddp_check.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SCRIPT = SCRIPTS / "ddp_check.py"
 
 
 @pytest.fixture(scope="module")
 def ddp_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), str(out)]
+    cmd = torchrun(SCRIPT, str(out))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +15,9 @@ import torch
 
 from mixprec import Accelerator, FullyShardedDataParallelPlugin
 
-from toys import Regression
+from toys import SCRIPTS, Regression, free_port, torchrun
 
-SCRIPT = Path(__file__).parent / "scripts" / "fsdp_check.py"
+SCRIPT = SCRIPTS / "fsdp_check.py"
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
 
 
@@ -29,19 +28,12 @@ def _script_module():
     return mod
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(out: Path, *args: str, ranks: int = 2) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if ranks == 1:
         cmd = [sys.executable, str(SCRIPT), str(out), *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), str(out), *args]
+        cmd = torchrun(SCRIPT, str(out), *args, nproc=ranks)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
@@ -225,7 +217,7 @@ def test_two_nodes_on_one_machine_with_a_c10d_rendezvous_train_as_two_ranks(runs
         assert torch.equal(got[k], full[k]), k  # the same global batches, the same shards: the same bits
 
 
-ELASTIC = Path(__file__).parent / "scripts" / "elastic_trainer.py"
+ELASTIC = SCRIPTS / "elastic_trainer.py"
 
 
 def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_trainer_resumes_bit_for_bit(tmp_path):
@@ -233,8 +225,7 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_trainer_resumes_
     step 6; the agent restarts both ranks; the Trainer (no resume argument) continues from
     checkpoint-4 and ends equal to an uninterrupted run."""
     def run(out, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(ELASTIC), str(out), *extra]
+        cmd = torchrun(ELASTIC, str(out), *extra, launcher=("--max-restarts", "1"))
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -267,8 +258,7 @@ def test_training_arguments_fsdp_maps_onto_the_plugin_with_hugging_faces_names()
 
 def test_a_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(tmp_path):
     def run(out, *extra, ok=True):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), str(ELASTIC), str(out), *extra]
+        cmd = torchrun(ELASTIC, str(out), *extra)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -290,9 +280,7 @@ def test_a_rank_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint_lo
     root, _ = runs
     out = tmp_path / "died"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(SCRIPT), str(out), "--precision", "fp32", "--save-at", "2",
-           "--die-saving-at", "4"]
+    cmd = torchrun(SCRIPT, str(out), "--precision", "fp32", "--save-at", "2", "--die-saving-at", "4")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0 and not (out / "final.safetensors").exists()  # it really died
     from mixprec.checkpoint import verify_checkpoint

@@ -23,15 +23,9 @@ from mixprec import fused_adamw
 from mixprec.bf16_true import cast_for_bf16_true, fp32_modules_rule
 from mixprec.optim import SGD, AdamW, bf16_stochastic_round, make_bf16_optimizer
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # These runs are hundreds of steps on 64 weights: a second intra-op thread only adds waiting,
-    # and on a shared 2-core machine that waiting made this file 20x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# These runs are hundreds of steps on 64 weights: a second intra-op thread only adds waiting,
+# and on a shared 2-core machine that waiting made this file 20x slower.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # (name, hyperparameters, steps, distance of the target from the start)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import pickle
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mixprec import LossScaleCollapse, LossScaler
+
+from toys import TinyLM
 
 OVERFLOW_STEPS = {2, 3, 4, 9, 10, 11, 12, 13, 20}
 N_STEPS = 26
@@ -322,22 +323,6 @@ def test_unscale_twice_is_refused():
     scaler.unscale_(opt)
     with pytest.raises(RuntimeError, match="unscale_"):
         scaler.unscale_(opt)
-
-
-class TinyLM(torch.nn.Module):
-    """A Hugging Face-style model: ``model(input_ids, labels=...)`` returns an object with ``.loss``."""
-
-    def __init__(self, vocab=32, dim=32):
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, dim)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 64), torch.nn.GELU(), torch.nn.Linear(64, vocab))
-
-    def forward(self, input_ids, labels=None):
-        logits = self.mlp(self.emb(input_ids))
-        loss = None
-        if labels is not None:
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-        return SimpleNamespace(loss=loss, logits=logits)
 
 
 def seed_dataloader(n_batches=60, vocab=32):

@@ -1,10 +1,35 @@
-"""Small models and data shared by the tests (not a test module)."""
+"""Small models and data shared by the tests, and where their scripts and examples are (not a test module).
+
+Fixtures live in ``conftest.py``; the classes and helpers here are imported by name
+(``from toys import Classifier``) because pytest puts ``tests/`` on ``sys.path``.
+"""
 
 from __future__ import annotations
 
+import socket
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+#: Scripts the multi-process and crash tests run (torchrun workers, resume drivers).
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+#: The repository's examples (configs and a user task), as the README runs them.
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a torchrun rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, launcher: tuple[str, ...] = ()) -> list[str]:
+    """The command that runs ``script args`` in ``nproc`` gloo processes on this machine under torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+            *launcher, "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
 
 
 @dataclass
@@ -30,6 +55,17 @@ class TinyLM(torch.nn.Module):
         if labels is not None:
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         return Output(loss=loss, logits=logits)
+
+
+class Scale(torch.nn.Module):
+    """Multiplies its input by a constant (in the input's dtype: fp16 under fp16 autocast)."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
 
 
 class LMData(torch.utils.data.Dataset):

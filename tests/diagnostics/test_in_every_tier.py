@@ -13,18 +13,9 @@ import torch
 from mixprec import Accelerator, LossScaleCollapse, Trainer, TrainingArguments, detect_capability
 from mixprec.diagnostics import DiagnosticsConfig
 
-from toys import Classifier, blobs
+from toys import Classifier, Scale, blobs
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
-
-
-class Scale(torch.nn.Module):
-    def __init__(self, factor):
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x):
-        return x * self.factor
 
 
 class Blowup(torch.nn.Module):

@@ -334,7 +334,6 @@ def test_trainer_fp16_step_reads_once_whether_to_advance_the_schedule():
 
 # -- CUDA --------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_fp16_fused_adamw_step_makes_no_sync_by_either_count():
     torch.manual_seed(0)
     acc = Accelerator(mixed_precision="fp16")

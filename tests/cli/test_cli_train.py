@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,7 +16,8 @@ from hypothesis import strategies as st
 from mixprec.cli import main
 from mixprec.cli.config import ConfigError, load_config, parse_overrides
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from toys import EXAMPLES
+
 FAST = ["--max-steps", "6", "--eval-steps", "3", "--save-steps", "3", "--disable-tqdm", "true",
         "--num-train-epochs", "1", "--eval-strategy", "steps", "--save-strategy", "steps",
         "--load-best-model-at-end", "false"]

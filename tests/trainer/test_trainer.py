@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -18,7 +17,7 @@ from mixprec import (
     TrainingArguments,
 )
 
-from toys import Classifier, accuracy_metrics, blobs
+from toys import SCRIPTS, Classifier, accuracy_metrics, blobs
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
 
@@ -63,7 +62,7 @@ def test_seed_trainer_snippet_trains_evaluates_every_epoch_and_logs(tmp_path, mo
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_train_killed_mid_epoch_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path, precision):
     """SIGKILL mid-epoch, SIGKILL mid-save, and SIGTERM (preemption): each resumes bit for bit."""
-    script = Path(__file__).parent / "scripts" / "resume_trainer.py"
+    script = SCRIPTS / "resume_trainer.py"
 
     def run(out, *extra, killed=False, code=0):
         import subprocess
@@ -103,7 +102,7 @@ def test_train_killed_mid_epoch_and_resumed_equals_uninterrupted_bit_for_bit(tmp
             assert torch.equal(a[k], b[k]), (other, k)
 
 
-RESUME_SCRIPT = Path(__file__).parent / "scripts" / "resume_trainer.py"
+RESUME_SCRIPT = SCRIPTS / "resume_trainer.py"
 
 
 def resume_script(out, *extra, code=0):

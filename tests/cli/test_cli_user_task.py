@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from mixprec.cli import main
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from toys import EXAMPLES
+
 FACTORIES = ["--model", "user_task:model", "--data", "user_task:data"]  # data() returns {"train", "validation"}
 
 
