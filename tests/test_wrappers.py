@@ -1,0 +1,28 @@
+"""mixprec.wrappers on their own: the precision around forward, and the wrappers' way back out."""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.precision import make_plugin
+from mixprec.wrappers import original_forward, patch_forward, unpatch_forward, unwrap
+
+
+def test_a_patched_forward_runs_in_the_plugin_read_at_call_time_and_unpatches_cleanly():
+    model = torch.nn.Linear(4, 2)
+    own = model.forward
+    current = {"plugin": make_plugin("bf16", "cpu")}
+    patch_forward(model, lambda: current["plugin"])
+    assert original_forward(model) == own
+    assert model(torch.randn(3, 4)).dtype == torch.bfloat16  # autocast around the user's forward
+    current["plugin"] = make_plugin("fp32", "cpu")  # a fallback is one assignment
+    assert model(torch.randn(3, 4)).dtype == torch.float32
+    assert unpatch_forward(model) is model and model(torch.randn(3, 4)).dtype == torch.float32
+    assert original_forward(model) == own
+
+
+def test_unwrap_goes_through_data_parallel_and_compile_wrappers():
+    inner = torch.nn.Linear(4, 2)
+    assert unwrap(inner) is inner
+    assert unwrap(torch.nn.DataParallel(inner)) is inner
+    assert unwrap(torch.compile(torch.nn.DataParallel(inner))) is inner
