@@ -811,6 +811,8 @@ class Accelerator(ProcessAPI):
         trainings in one process). Returns a list holding ``None`` for each object passed, to assign back."""
         self.prepared = PreparedObjects()
         self.precision.forget_optimizers()
+        self.audit.close()
+        self.audit = PrecisionAudit()  # the next run's objects are observed afresh
         self.gradient_state.dataloader_references.clear()
         self.monitor = None
         self.step = 0
