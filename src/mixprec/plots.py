@@ -2,9 +2,10 @@
 
 Every figure is a ``matplotlib.figure.Figure`` written with its own ``savefig``: pyplot is never
 imported and no backend is chosen, so a plot drawn here leaves the user's matplotlib as it was
-(an interactive backend, their open figures). The loss curves and loss scale come from a run
-(``mixprec demo``, the doctor); the gradient histogram and the per-layer underflow bars are the
-doctor's: the seed's FP32/FP16 diagram, drawn from the user's own gradients.
+(an interactive backend, their open figures). The loss curves (against steps and, beside them,
+against seconds of training) and the loss scale come from a run (``mixprec demo``, the doctor);
+the gradient histogram and the per-layer underflow bars are the doctor's: the seed's FP32/FP16
+diagram, drawn from the user's own gradients.
 """
 
 from __future__ import annotations
@@ -19,24 +20,30 @@ from .diagnostics.limits import FORMAT_LIMITS
 __all__ = ["plot_loss_curves", "plot_loss_scale", "plot_gradient_histogram", "plot_layer_underflow"]
 
 
-def _figure(figsize: tuple[float, float]) -> tuple[Any, Any]:
-    """A new figure and its one axes, outside pyplot (nothing global is touched)."""
+def _figure(figsize: tuple[float, float], panels: int = 1) -> tuple[Any, Any]:
+    """A new figure and its axes (one, or a list of ``panels`` side by side), outside pyplot
+    (nothing global is touched)."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:  # matplotlib is the `plot` extra
         raise ImportError("plots need matplotlib: pip install 'mixprec[plot]'") from e
     fig = Figure(figsize=figsize, dpi=110)
-    return fig, fig.subplots()
+    return fig, fig.subplots() if panels == 1 else list(fig.subplots(1, panels))
 
 
-def _save(fig: Any, ax: Any, path: str | Path, *, title: str, xlabel: str, ylabel: str, legend: dict | None = None,
-          grid: dict | None = None) -> Path:
-    """Label, lay out and write a figure: every plot here is titled, with labelled axes and a legend."""
+def _label(ax: Any, *, title: str, xlabel: str, ylabel: str, legend: dict | None = None,
+           grid: dict | None = None) -> None:
+    """Every plot here is titled, with labelled axes and a legend."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3, **(grid or {}))
     ax.legend(**(legend or {}))
+
+
+def _save(fig: Any, ax: Any, path: str | Path, **labels: Any) -> Path:
+    """Label ``ax`` (see :func:`_label`), lay out and write the figure."""
+    _label(ax, **labels)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
@@ -45,27 +52,55 @@ def _save(fig: Any, ax: Any, path: str | Path, *, title: str, xlabel: str, ylabe
 
 def plot_loss_curves(train: Mapping[str, Sequence[tuple[int, float]]], path: str | Path, *,
                      evaluation: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+                     seconds: Mapping[str, Mapping[int, float]] | None = None,
                      title: str = "Training loss") -> Path:
-    """Loss against optimizer step for several runs (e.g. fp32 beside bf16-mixed).
+    """Loss against optimizer step for several runs (e.g. fp32 beside bf16-mixed), and, given
+    ``seconds``, beside it the same losses against seconds of training: what a faster precision
+    buys in the same minutes.
 
     Args:
         train: run name -> ``(step, loss)`` points of the training loss.
         path: the PNG to write.
         evaluation: run name -> ``(step, eval loss)`` points, drawn as markers.
+        seconds: run name -> {step: seconds of training when that step ended}; a second panel
+            plots each point at its step's time (points of steps it lacks are left out).
         title: the figure's title.
+
+    Example:
+        >>> plot_loss_curves({"fp32": [(1, 2.0), (2, 1.5)]}, "loss.png",  # doctest: +SKIP
+        ...                  seconds={"fp32": {1: 0.4, 2: 0.8}})
     """
-    fig, ax = _figure((8, 4.5))
+    ylabel = "cross-entropy loss (nats per byte)"
+    if seconds is None:
+        fig, by_step = _figure((8, 4.5))
+    else:
+        fig, (by_step, by_time) = _figure((14, 4.5), panels=2)
+        _draw_losses(by_time, train, evaluation or {}, seconds)
+        _label(by_time, title="the same runs against time", ylabel=ylabel,
+               xlabel="seconds of training (wall clock; evaluations and checkpoints left out)")
+    _draw_losses(by_step, train, evaluation or {}, None)
+    return _save(fig, by_step, path, title=title, xlabel="optimizer step", ylabel=ylabel)
+
+
+def _draw_losses(ax: Any, train: Mapping[str, Sequence[tuple[int, float]]],
+                 evaluation: Mapping[str, Sequence[tuple[int, float]]], clock: Mapping[str, Mapping[int, float]] | None
+                 ) -> None:
+    """Each run's training loss as a line and its evaluation loss as markers of the same colour,
+    at each point's step, or at its step's time in ``clock``."""
+    def at(name: str, points: Sequence[tuple[int, float]]) -> list[tuple[float, float]]:
+        if clock is None:
+            return list(points)
+        times = clock.get(name, {})
+        return [(times[step], loss) for step, loss in points if step in times]
+
     colors = {}
     for name, points in train.items():
-        if points:
-            steps, losses = zip(*points)
-            (line,) = ax.plot(steps, losses, label=f"{name} (train)", linewidth=1.4)
+        if xy := at(name, points):
+            (line,) = ax.plot(*zip(*xy), label=f"{name} (train)", linewidth=1.4)
             colors[name] = line.get_color()
-    for name, points in (evaluation or {}).items():
-        if points:
-            steps, losses = zip(*points)
-            ax.plot(steps, losses, "o--", color=colors.get(name), label=f"{name} (validation)", markersize=5)
-    return _save(fig, ax, path, title=title, xlabel="optimizer step", ylabel="cross-entropy loss (nats per byte)")
+    for name, points in evaluation.items():
+        if xy := at(name, points):
+            ax.plot(*zip(*xy), "o--", color=colors.get(name), label=f"{name} (validation)", markersize=5)
 
 
 def plot_loss_scale(history: Sequence[tuple[int, float, bool]], path: str | Path, *,

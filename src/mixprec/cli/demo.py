@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -45,23 +46,40 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 class _StepTimer:
-    """Times optimizer steps, leaving out the ones an evaluation ran in (throughput of training only)."""
+    """Times optimizer steps on a clock that leaves out evaluations and checkpoints, so that the
+    seconds are training's own: ``intervals`` (step end to step end) for the throughput, and
+    ``seconds`` (step -> training seconds when it ended) for the loss-against-time plot."""
 
     def __new__(cls):
         from ..trainer import TrainerCallback
 
         class Timer(TrainerCallback):
             def __init__(self):
-                self.intervals, self._last, self._eval = [], None, False
+                self.intervals, self.seconds, self._clock = [], {}, 0.0
+                self._last = self._begin = None
+                self._paused = False
+
+            def on_train_begin(self, args, state, control, **kwargs):
+                self._last = time.perf_counter()
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                self._begin = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kwargs):
                 now = time.perf_counter()
-                if self._last is not None and not self._eval:
+                if self._paused:  # an evaluation or a save ran since the last step: count this step alone
+                    self._clock += now - self._begin
+                else:
                     self.intervals.append(now - self._last)
-                self._last, self._eval = now, False
+                    self._clock += now - self._last
+                self.seconds[state.global_step] = self._clock
+                self._last, self._paused = now, False
 
             def on_evaluate(self, args, state, control, **kwargs):
-                self._eval = True
+                self._paused = True
+
+            def on_save(self, args, state, control, **kwargs):
+                self._paused = True
 
         return Timer()
 
@@ -120,8 +138,10 @@ def _train(size: str, data: tuple[int | None, int | None], precision: str, steps
         "memory_kind": kind,
         "final_eval_loss": final_eval["eval_loss"],
         "final_bits_per_byte": final_eval.get("eval_bits_per_byte", final_eval["eval_loss"] / math.log(2)),
+        "training_seconds": timer.seconds.get(result.global_step, float("nan")),
         "train": [(h["step"], h["loss"]) for h in hist if "loss" in h],
         "eval": [(h["step"], h["eval_loss"]) for h in hist if "eval_loss" in h],
+        "seconds": timer.seconds,
         "scale_history": [(i + 1, s, k) for i, (s, k) in enumerate(scaler.scale_history)] if scaler else None,
         "skipped_steps": scaler.skipped_steps if scaler else 0,
         "checkpoint": str(list_checkpoints(Path(out))[-1]),
@@ -153,12 +173,12 @@ def run(args: argparse.Namespace) -> int:
     from ..tasks import generate_sample
 
     if args.steps < 4:
-        print("mixprec demo: error: --steps must be at least 4")
+        print("mixprec demo: error: --steps must be at least 4", file=sys.stderr)
         return 2
     try:
         policy = resolve_precision(args.precision)
     except ValueError as e:
-        print(f"mixprec demo: error: {e}")
+        print(f"mixprec demo: error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -170,16 +190,25 @@ def run(args: argparse.Namespace) -> int:
     print(f"data: {len(task.train_dataset)} training blocks of {task.train_dataset.block_size} bytes from the "
           f"standard library's source; {len(task.eval_dataset)} validation blocks")
     # Each run in a fresh process: its peak memory is its own, not what an earlier run left.
-    reference = _in_fresh_process(args.size, data, "fp32", fp32_steps, str(out / "fp32"), args.batch_size, not args.no_progress)
-    mixed = _in_fresh_process(args.size, data, policy.name, args.steps, str(out), args.batch_size, not args.no_progress)
+    try:
+        reference = _in_fresh_process(args.size, data, "fp32", fp32_steps, str(out / "fp32"), args.batch_size,
+                                      not args.no_progress)
+        mixed = _in_fresh_process(args.size, data, policy.name, args.steps, str(out), args.batch_size,
+                                  not args.no_progress)
+    except ValueError as e:  # a setting the Trainer refuses (its message says the fix)
+        print(f"mixprec demo: error: {e}", file=sys.stderr)
+        return 2
     rows = [reference, mixed]
     print()
     print(_table(rows))
     print(f"(speed-up: tokens/s against fp32; memory: {mixed['memory_kind']})")
     if mixed["skipped_steps"]:
         print(f"{mixed['skipped_steps']} fp16 steps were skipped for overflow (the loss scaler backed off)")
-    plots = [plot_loss_curves({"fp32": reference["train"], mixed["precision"]: mixed["train"]}, out / "loss_curve.png",
-                              evaluation={"fp32": reference["eval"], mixed["precision"]: mixed["eval"]},
+    # Two curves, even where auto chose fp32 for the mixed run too.
+    names = {"fp32" if mixed["precision"] != "fp32" else "fp32 (reference)": reference, mixed["precision"]: mixed}
+    plots = [plot_loss_curves({n: r["train"] for n, r in names.items()}, out / "loss_curve.png",
+                              evaluation={n: r["eval"] for n, r in names.items()},
+                              seconds={n: r["seconds"] for n, r in names.items()},
                               title=f"pycode/{args.size}: fp32 against {mixed['precision']}")]
     if mixed["scale_history"]:
         plots.append(plot_loss_scale(mixed["scale_history"], out / "loss_scale.png"))
@@ -191,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     safetensors.torch.load_model(model, str(Path(mixed["checkpoint"]) / "model_0.safetensors"))
     sample = generate_sample(model, prompt="def ", max_new_tokens=300, generator=torch.Generator().manual_seed(0))
     (out / "sample.txt").write_text(sample if isinstance(sample, str) else str(sample))
-    summary = {k: {kk: vv for kk, vv in r.items() if kk not in ("train", "eval", "scale_history")}
+    summary = {k: {kk: vv for kk, vv in r.items() if kk not in ("train", "eval", "seconds", "scale_history")}
                for k, r in (("fp32", reference), ("mixed", mixed))}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nsample ({mixed['precision']} model, prompt 'def '):\n" + "\n".join(sample.splitlines()[:8]))
