@@ -11,7 +11,9 @@
   ``syncs`` column), with :func:`host_side_tensors` naming the optimizer's host-side counters.
 
 Nothing here changes a gradient, an activation, a parameter or an RNG stream, and nothing
-syncs the host with the device except the methods whose docstrings say so.
+syncs the host with the device except the methods whose docstrings say so. Nothing here imports
+the Accelerator or the Trainer: :mod:`mixprec.doctor`, which trains probe runs with these
+instruments on, sits above them.
 """
 
 from .drift import precision_drift
