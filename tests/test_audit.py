@@ -140,3 +140,20 @@ def test_the_trainers_first_log_says_what_precision_is_in_force(tmp_path, precis
     assert first.startswith(f"precision in force ({trainer.accelerator.policy.name}, single)") and \
         first.endswith("as the contract says"), first
     assert all("precision_in_force" not in r for r in rows[1:])
+
+
+def test_the_observers_leave_the_prepared_objects_picklable():
+    """The audit's hooks are objects, not closures: a prepared model and optimizer still pickle
+    (Accelerate's optimizer-pickling test), before the first forward as after it."""
+    import pickle
+
+    acc = Accelerator(mixed_precision="bf16", cpu=True)
+    m = net()
+    model, opt = acc.prepare(m, torch.optim.AdamW(m.parameters()))
+    for obj in (model, opt):
+        assert type(pickle.loads(pickle.dumps(obj))) is type(obj)
+    acc.backward(model(torch.randn(2, 8)).float().sum())
+    opt.step()
+    for obj in (model, opt):
+        assert type(pickle.loads(pickle.dumps(obj))) is type(obj)
+    assert acc.precision_report().ok and acc.precision_report().observed["gradients"] == "float32"

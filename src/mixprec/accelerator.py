@@ -395,7 +395,6 @@ class Accelerator(ProcessAPI):
                 group["params"] = [self._sharded_params.get(id(p), p) for p in group["params"]]
         converted = self.precision.convert_optimizer(optimizer)
         self.precision.track_optimizer(converted)
-        self.audit.watch_optimizer(converted)
         wrapped = AcceleratedOptimizer(converted, self._optimizer_hooks, original=optimizer)
         self.prepared.optimizers.append(wrapped)
         return self._mark_prepared(wrapped)
@@ -554,6 +553,7 @@ class Accelerator(ProcessAPI):
         if not self.sync_gradients:
             return None
         first = wrapped is self.prepared.optimizers[0]
+        self.audit.observe_gradients(wrapped.optimizer)
         models = self._observe_before_step(wrapped)
         out = None
         with self._collapse_guard(wrapped):

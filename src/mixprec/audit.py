@@ -124,7 +124,7 @@ class PrecisionReport:
 class PrecisionAudit:
     """Observe the dtypes a prepared model really trains in (see the module docstring).
 
-    The Accelerator makes one and calls :meth:`watch_model`, :meth:`watch_optimizer` and
+    The Accelerator makes one and calls :meth:`watch_model`, :meth:`observe_gradients` and
     :meth:`scaler_loaded`; :meth:`report` (``accelerator.precision_report()``) reads it.
     """
 
@@ -144,37 +144,12 @@ class PrecisionAudit:
         if not chosen:
             chosen = [(n, m) for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
         self._kept_fp32.update(id(p) for m in model.modules() if fp32_modules_rule(m) for p in m.parameters(recurse=False))
-        handles: list[Any] = []
-
-        def make(path: str) -> tuple[Callable[..., None], Callable[..., None]]:
-            seen: dict[str, Any] = {}
-
-            def pre(module: torch.nn.Module, args: Any) -> None:
-                params = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
-                if not params or seen:
-                    return
-                kind = params[0].device.type
-                seen.update(path=path, params={_local(p).dtype for p in params},
-                            autocast=torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
-
-            def post(module: torch.nn.Module, args: Any, output: Any) -> None:
-                if seen and "output" not in seen and torch.is_tensor(output) and output.is_floating_point():
-                    seen["output"] = output.dtype
-                    self.forward.append(seen)
-
-            return pre, post
-
-        for path, module in chosen:
-            pre, post = make(path)
-            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-
-        def done(module: torch.nn.Module, args: Any, output: Any) -> None:
-            for h in handles:
-                h.remove()
-            root.remove()
-
-        root = model.register_forward_hook(done)
-        self._handles += handles + [root]
+        probes = [_FirstForward(path, self.forward) for path, _ in chosen]
+        handles = [h for (_, module), probe in zip(chosen, probes)
+                   for h in (module.register_forward_pre_hook(probe.pre), module.register_forward_hook(probe.post))]
+        done = _RemoveAfterForward(handles)
+        done.handles.append(model.register_forward_hook(done))
+        self._handles += done.handles
         if hasattr(model, "set_all_reduce_hook"):  # FSDP2: the reduce-scatter output of every group
             for m in model.modules():
                 if hasattr(m, "set_all_reduce_hook"):
@@ -184,18 +159,14 @@ class PrecisionAudit:
         """Record the dtype of a tensor reduced across processes (a hook calls it)."""
         self.reduced.add(tensor.dtype)
 
-    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Record the gradients' dtypes at ``optimizer``'s first applied step (normalisation
-        layers' excluded: bf16-true keeps them fp32)."""
-        def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            for g in opt.param_groups:
-                self.grads.update(_local(p.grad).dtype for p in g["params"]
-                                  if p.grad is not None and id(p) not in self._kept_fp32)
-            if self.grads:
-                handle.remove()
-
-        handle = optimizer.register_step_pre_hook(pre)
-        self._handles.append(handle)
+    def observe_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Record the gradients' dtypes as ``optimizer`` is about to step, the first time it has
+        any (normalisation layers' excluded: bf16-true keeps them fp32). No sync."""
+        if self.grads:
+            return
+        for g in optimizer.param_groups:
+            self.grads.update(_local(p.grad).dtype for p in g["params"]
+                              if p.grad is not None and id(p) not in self._kept_fp32)
 
     def scaler_loaded(self, live: dict[str, Any], saved: dict[str, Any], enabled: bool) -> None:
         """Compare the loss scaler's live state after ``load_state`` with the checkpoint's."""
@@ -279,6 +250,38 @@ class PrecisionAudit:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+class _FirstForward:
+    """One module's forward hooks (picklable, as the module may be): its parameters' dtypes and
+    the autocast state as its forward starts, its output's dtype as it ends, recorded once."""
+
+    def __init__(self, path: str, records: list[dict[str, Any]]) -> None:
+        self.path, self.records, self.seen = path, records, {}
+
+    def pre(self, module: torch.nn.Module, args: Any) -> None:
+        params = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
+        if not params or self.seen:
+            return
+        kind = params[0].device.type
+        self.seen = dict(path=self.path, params={_local(p).dtype for p in params},
+                         autocast=torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
+
+    def post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.seen and "output" not in self.seen and torch.is_tensor(output) and output.is_floating_point():
+            self.seen["output"] = output.dtype
+            self.records.append(self.seen)
+
+
+class _RemoveAfterForward:
+    """The root module's forward hook that removes every probe (itself included) once the first forward ends."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def _names(dtypes: set[Any]) -> str:
