@@ -29,6 +29,7 @@ def run_script(out, *args, expect_kill=False):
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision,resume", [("fp32", "skip_first_batches"), ("fp16", "skip_first_batches"),
                                               ("fp16", "stateful")])
 def test_save_kill_load_continue_equals_an_uninterrupted_run_bit_for_bit(tmp_path, precision, resume):

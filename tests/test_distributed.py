@@ -11,6 +11,8 @@ import torch
 
 from toys import SCRIPTS, Regression, torchrun
 
+pytestmark = pytest.mark.slow  # the module's fixture starts torchrun (2 gloo processes)
+
 SCRIPT = SCRIPTS / "ddp_check.py"
 
 

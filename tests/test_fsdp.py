@@ -18,7 +18,8 @@ from mixprec import Accelerator, FullyShardedDataParallelPlugin
 from toys import SCRIPTS, Regression, free_port, torchrun
 
 SCRIPT = SCRIPTS / "fsdp_check.py"
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
+# The tests here start torchrun (2 gloo processes, ~10-30 s each), but for the plugin-field checks: all slow.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")]
 
 
 def _script_module():
@@ -325,7 +326,6 @@ def test_gradient_statistics_count_every_shard_once(tmp_path):
     assert [s["inp.weight"]["nan"] for s in res["grad_stats"]] == [0, 1]
 
 
-@pytest.mark.slow
 def test_activation_checkpointing_changes_no_gradient_under_autocast_or_bf16_true(runs, tmp_path):
     """Recompute in backward sees the dtypes of the first forward (PyTorch #148831 is the known
     failure): with and without checkpointing the weights after every step's gradient are bit

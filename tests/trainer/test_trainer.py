@@ -59,6 +59,7 @@ def test_seed_trainer_snippet_trains_evaluates_every_epoch_and_logs(tmp_path, mo
     assert trainer.model is model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_train_killed_mid_epoch_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path, precision):
     """SIGKILL mid-epoch, SIGKILL mid-save, and SIGTERM (preemption): each resumes bit for bit."""
