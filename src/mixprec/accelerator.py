@@ -11,21 +11,21 @@ import contextlib
 import gc
 import os
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
 from . import distributed as D
+from .accelerator_checkpoints import CheckpointAPI
+from .accelerator_prepare import PrepareAPI
 from .accelerator_state import AcceleratorState, DistributedType, GradientState
-from .audit import PrecisionAudit, PrecisionReport, recording_ddp_hook
+from .audit import PrecisionAudit, PrecisionReport
 from .configs import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, coerce_config
 from .data import PreparedDataLoader
 from .diagnostics.monitor import DiagnosticsConfig, Monitor
 from .fallback import fallback_target, log_fallback
-from .fsdp import FullyShardedDataParallelPlugin, full_state_dict, is_sharded, shard_model
+from .fsdp import FullyShardedDataParallelPlugin, is_sharded
 from .hardware import default_device
 from .nested import tree_map
 from .precision import BF16TrueConfig, PrecisionPlugin, PrecisionPolicy, make_plugin, resolve_precision
@@ -35,20 +35,12 @@ from .scaler import LossScaleCollapse, LossScaler
 from .state import (
     PreparedObjects,
     StateHooks,
-    load_accelerator_state,
-    resolve_load_dir,
-    resolve_save_dir,
-    save_accelerator_state,
-    save_model_weights,
 )
 from .wrappers import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
     OptimizerHooks,
-    patch_forward,
-    unpatch_forward,
     unwrap,
-    unwrap_keeping_compile,
 )
 
 __all__ = ["Accelerator"]
@@ -56,22 +48,7 @@ __all__ = ["Accelerator"]
 _ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
 
 
-def _kind(obj: Any) -> str | None:
-    """What ``prepare`` makes of ``obj``: an optimizer is checked before the scheduler duck type
-    (a prepared optimizer also has ``step`` and an ``.optimizer``)."""
-    if isinstance(obj, torch.nn.Module):
-        return "model"
-    if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer"
-    if isinstance(obj, DataLoader):
-        return "dataloader"
-    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
-            hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)):
-        return "scheduler"
-    return None
-
-
-class Accelerator(ProcessAPI):
+class Accelerator(PrepareAPI, CheckpointAPI, ProcessAPI):
     """Mixed precision, device placement and several processes for a training loop you write.
 
     Args:
@@ -309,162 +286,6 @@ class Accelerator(ProcessAPI):
     def use_distributed(self) -> bool:
         return self.state.use_distributed
 
-    # -- prepare --------------------------------------------------------------------------
-    def prepare(self, *objects: Any, device_placement: list[bool | None] | None = None) -> Any:
-        """Wrap models, optimizers, schedulers and dataloaders; returns them in the order given.
-
-        Anything else (``None``, a list, a tokenizer) comes back unchanged, as in Accelerate; an
-        object prepared already comes back as it is. ``device_placement`` (one entry per object)
-        overrides the Accelerator's for the models among them.
-        """
-        self.state.num_processes  # noqa: B018 - after state._reset_state() this says so, early
-        if device_placement is not None and len(device_placement) != len(objects):
-            raise ValueError(f"device_placement has {len(device_placement)} entries for {len(objects)} objects")
-        kinds = [_kind(obj) for obj in objects]
-        out: list[Any] = list(objects)
-        # Models before optimizers (bf16-true casts the parameters the optimizer holds), and
-        # schedulers last, since they must find their prepared optimizer.
-        for wanted in ("model", "optimizer", "dataloader", "scheduler"):
-            for i, (obj, kind) in enumerate(zip(objects, kinds)):
-                if kind != wanted or getattr(obj, "_is_accelerate_prepared", False):
-                    continue
-                if kind == "model":
-                    out[i] = self.prepare_model(obj, device_placement[i] if device_placement else None)
-                else:
-                    out[i] = {"optimizer": self.prepare_optimizer, "dataloader": self.prepare_data_loader,
-                              "scheduler": self.prepare_scheduler}[kind](obj)
-        return out[0] if len(out) == 1 else tuple(out)
-
-    def _mark_prepared(self, obj: Any) -> Any:
-        try:
-            obj._is_accelerate_prepared = True  # Accelerate's mark, read by its users and by prepare()
-        except AttributeError:  # pragma: no cover - objects with __slots__
-            pass
-        return obj
-
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
-        """Move ``model`` to the device, convert it for the precision (bf16 parameters for
-        bf16-true), run its forward in the current precision, and wrap it in
-        ``DistributedDataParallel`` when several processes run. A model prepared already is
-        returned as it is."""
-        if any(model is m for m in self.prepared.models):
-            return model
-        if getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False):
-            device_map = getattr(model, "hf_device_map", None) or {}
-            if any(d in ("cpu", "disk") for d in device_map.values()):
-                raise ValueError("a model quantized by bitsandbytes with CPU or disk offload cannot be trained: "
-                                 "load it wholly on the GPU (device_map={'': 0})")
-        if device_placement if device_placement is not None else self.device_placement:
-            model.to(self.device)
-        self.precision.convert_module(model)
-        patch_forward(model, self._current_precision)
-        if self.use_distributed and self.fsdp_plugin is not None:
-            # Every rank shards the same weights: rank 0's (as DDP does; FSDP2 alone would keep
-            # each rank's own slice of differently initialised models).
-            D.broadcast_module_state(model)
-            before = dict(model.named_parameters())
-            shard_model(model, self.fsdp_plugin, self.precision.sharding_policy(self.fsdp_plugin.reduce_dtype))
-            # (activation checkpointing wraps the blocks: their names gain the wrapper's prefix)
-            after = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
-            # fully_shard replaces the parameters: optimizers built on the old ones are pointed at them.
-            self._sharded_params.update({id(p): after[n] for n, p in before.items() if n in after})
-        self.audit.watch_model(model)
-        if self.diagnostics.enabled:  # after sharding: the statistics read the sharded gradients
-            if self.monitor is None:
-                self.monitor = Monitor(self.diagnostics, scaler=self.scaler)
-            self.monitor.watch(model)
-        if self.use_distributed and self.fsdp_plugin is None:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            model = DistributedDataParallel(model, device_ids=ids)
-            # The bucket's mean, compressed to ddp_comm_hook's dtype if set; the audit sees its dtype.
-            wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.ddp_comm_hook or "")
-            model.register_comm_hook(state=None, hook=recording_ddp_hook(self.audit.record_reduced, wire))
-        if self.compile:
-            # Compiled around the precision's forward, so autocast is traced into the graph.
-            model = torch.compile(model, **(self.compile if isinstance(self.compile, dict) else {}))
-        self.prepared.models.append(model)
-        return self._mark_prepared(model)
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
-        """Wrap ``optimizer`` so that ``step()`` goes through the precision plugin (bf16-true
-        first swaps a fresh AdamW/SGD for its compensated twin)."""
-        if isinstance(optimizer, AcceleratedOptimizer):
-            optimizer = optimizer.optimizer
-        if self._sharded_params:
-            for group in optimizer.param_groups:
-                group["params"] = [self._sharded_params.get(id(p), p) for p in group["params"]]
-        converted = self.precision.convert_optimizer(optimizer)
-        self.precision.track_optimizer(converted)
-        wrapped = AcceleratedOptimizer(converted, self._optimizer_hooks, original=optimizer)
-        self.prepared.optimizers.append(wrapped)
-        return self._mark_prepared(wrapped)
-
-    def prepare_scheduler(self, scheduler: Any, *, steps_per_call: int | None = None) -> AcceleratedScheduler:
-        """Wrap ``scheduler`` so that it steps only when its optimizer's step was applied (see
-        ``step_scheduler_with_optimizer``). ``steps_per_call`` overrides Accelerate's count of
-        schedule steps per applied step (the number of processes, or 1 with ``split_batches``)."""
-        optimizers = self.prepared.optimizers
-        mine = [o for o in optimizers if scheduler.optimizer in (o.optimizer, o.original_optimizer)]
-        per_call = steps_per_call or (1 if self.split_batches else self.num_processes)
-        wrapped = AcceleratedScheduler(scheduler, mine or optimizers, self.gradient_state,
-                                       step_with_optimizer=self.step_scheduler_with_optimizer, steps_per_call=per_call)
-        self.prepared.schedulers.append(wrapped)
-        return self._mark_prepared(wrapped)
-
-    def prepare_data_loader(self, dataloader: DataLoader, *, checkpoint: bool = True) -> PreparedDataLoader:
-        """Batches on the device, and each process its own shard of every batch round.
-
-        Args:
-            dataloader: the user's ``DataLoader``.
-            checkpoint: save and restore its position in :meth:`save_state` (off for loaders
-                made afresh for each evaluation).
-        """
-        # One seed for the shuffle order, the same on every process so the shards fit together;
-        # drawn from torch's RNG (so torch.manual_seed decides it) only where a shuffle needs it.
-        needs_seed = isinstance(dataloader.sampler, torch.utils.data.RandomSampler) and (
-            dataloader.sampler.generator is None and dataloader.generator is None)
-        config = self.dataloader_config
-        if config.data_seed is not None:
-            seed = int(config.data_seed)
-        else:
-            seed = D.broadcast_object(int(torch.randint(0, 2**62, (1,)).item())) if needs_seed else 0
-        device = self.device if self.device_placement else None
-        prepared = PreparedDataLoader(dataloader, device=device, world_size=self.num_processes, rank=self.process_index,
-                                      seed=seed, float_dtype=self.precision.input_dtype,
-                                      on_iter=self.gradient_state._add_dataloader,
-                                      on_end=self.gradient_state._remove_dataloader,
-                                      non_blocking=config.non_blocking, resume_position=config.use_stateful_dataloader)
-        if checkpoint:
-            self.prepared.dataloaders.append(prepared)
-        return self._mark_prepared(prepared)
-
-    def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
-        """Start ``dataloader``'s next epoch at batch ``num_batches``, without loading the ones before.
-
-        Returns the same prepared dataloader (the skip applies to one epoch). After
-        :meth:`load_state` the dataloader already resumes at the saved batch; calling this sets
-        the start instead of adding to it.
-        """
-        if not isinstance(dataloader, PreparedDataLoader):
-            raise TypeError(f"skip_first_batches() takes a dataloader returned by prepare(), got "
-                            f"{type(dataloader).__name__}; call accelerator.prepare(dataloader) first")
-        dataloader.skip_batches(num_batches)
-        return dataloader
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and restore these objects (anything with ``state_dict``/``load_state_dict``) in ``save_state``.
-
-        Raises:
-            ValueError: listing every object (by its index) that has no ``state_dict``/``load_state_dict``.
-        """
-        bad = [f"- Item at index {i}, `{type(obj).__name__}`" for i, obj in enumerate(objects)
-               if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))]
-        if bad:
-            raise ValueError("All `objects` must include a `state_dict` and `load_state_dict` function to be stored; "
-                             "these do not (wrap a tensor in a torch.nn.Module, or register an object that has "
-                             "both):\n" + "\n".join(bad))
-        self.prepared.custom.extend(objects)
-
     # -- the step ---------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
         """The current precision's forward context (autocast; a no-op for fp32 and bf16-true)."""
@@ -651,130 +472,6 @@ class Accelerator(ProcessAPI):
     def reduce(self, tensor: Any, reduction: str = "sum") -> Any:
         """Sum (``"sum"``) or average (``"mean"``) ``tensor`` over all processes."""
         return D.reduce(tensor, reduction)
-
-    # -- models out ---------------------------------------------------------------------
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
-                     keep_torch_compile: bool = True) -> torch.nn.Module:
-        """The user's module without the DDP wrapper; with ``keep_torch_compile=True`` (Accelerate's
-        default) a compiled model stays compiled around it, and with ``keep_fp32_wrapper=False``
-        its forward loses the precision's autocast."""
-        model = unwrap_keeping_compile(model) if keep_torch_compile else unwrap(model)
-        if not keep_fp32_wrapper:
-            unpatch_forward(unwrap(model))
-        return model
-
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The model's ``state_dict`` (of the user's module, without wrapper prefixes, when ``unwrap``).
-
-        A sharded model's is gathered whole onto the CPU of every rank (call it on every rank).
-        """
-        inner = self.unwrap_model(model, keep_torch_compile=False)
-        if is_sharded(inner):
-            return full_state_dict(inner)
-        return (inner if unwrap else model).state_dict()
-
-    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
-                   safe_serialization: bool = True) -> Path:
-        """Write the model's weights into ``save_directory`` (main process only), atomically.
-
-        ``model.safetensors``, or ``pytorch_model.bin`` with ``safe_serialization=False`` (tensors
-        only: it loads with ``torch.load(weights_only=True)``); above ``max_shard_size`` (bytes,
-        or ``"500MB"``, ``"10GB"``) the weights are split into numbered shards with an index, in
-        the layout ``transformers``' and Accelerate's loaders read.
-        """
-        path = Path(save_directory)
-        inner = unwrap(model)
-        full = full_state_dict(inner) if is_sharded(inner) else None  # every rank takes part in the gather
-        if self.is_main_process:
-            save_model_weights(inner, path, max_shard_size=max_shard_size, safe_serialization=safe_serialization,
-                               state=full)
-        self.wait_for_everyone()
-        return path
-
-    # -- checkpoints -------------------------------------------------------------------
-    def register_save_state_pre_hook(self, hook: Any) -> Any:
-        """Call ``hook(models, weights, output_dir)`` before :meth:`save_state` writes.
-
-        ``weights`` are the models' state dicts; removing one from the list (with its model)
-        leaves that model to the hook. Files the hook writes into ``output_dir`` join the same
-        atomic write. Returns a handle whose ``remove()`` unregisters the hook.
-        """
-        return self._state_hooks.add_save(hook)
-
-    def register_load_state_pre_hook(self, hook: Any) -> Any:
-        """Call ``hook(models, input_dir)`` before :meth:`load_state` reads; removing a model from
-        the list leaves its weights to the hook. Returns a handle whose ``remove()`` unregisters it."""
-        return self._state_hooks.add_load(hook)
-
-    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
-                   extra_files: dict[str, str | bytes] | None = None, async_save: bool = False) -> Path:
-        """Write everything needed to continue bit for bit into ``output_dir``, atomically.
-
-        Model weights as safetensors (whatever ``safe_serialization`` says: the checkpoint is read
-        back only by :meth:`load_state`); optimizer, scheduler, scaler, dataloader positions and
-        RNG states (one file per process) with ``torch.save``; a manifest with sizes and sha256.
-        The folder appears only when complete. Without ``output_dir``, a project configuration
-        with ``automatic_checkpoint_naming`` names it ``checkpoints/checkpoint_<i>`` and, with
-        ``total_limit``, deletes the oldest once the new one is complete. ``extra_files`` (name ->
-        text or bytes) join the same atomic write (the Trainer puts ``trainer_state.json`` there).
-        An iteration left open (an optimizer stepped, another not yet) is closed first.
-
-        With ``async_save=True`` the models and optimizers are written by
-        ``torch.distributed.checkpoint``'s asynchronous save: the call returns once they are copied
-        to CPU memory, the files are written in the background, and the folder still appears only
-        when complete (:meth:`wait_for_checkpoint` waits for it; the next save, ``load_state`` and
-        ``end_training`` do so themselves).
-        """
-        self.wait_for_checkpoint()  # one checkpoint in flight at a time
-        final = resolve_save_dir(output_dir, self.project_configuration)
-        self.precision.finish_iteration()
-        meta = {"step": self.step, "precision": self.policy.name, "optimizer_steps": self.optimizer_steps,
-                "precision_fallback": bool(self.precision_fallbacks)}
-        automatic = output_dir is None and self.project_configuration.automatic_checkpoint_naming
-        project = self.project_configuration
-        group = None
-        if async_save and self.use_distributed:
-            if self._async_group is None:  # background writes coordinate on their own gloo group
-                self._async_group = torch.distributed.new_group(backend="gloo")
-            group = self._async_group
-        self._pending_save = save_accelerator_state(
-            final, self.prepared, self._process, self.precision.state_dict(), meta, extra_files or {},
-            hooks=self._state_hooks, sharded=self.fsdp_plugin is not None or async_save, asynchronous=async_save,
-            process_group=group, after_commit=(lambda: self._state_hooks.rotate(project)) if automatic else None)
-        if automatic:
-            project.iteration += 1
-        return final
-
-    def wait_for_checkpoint(self) -> Path | None:
-        """Block until the checkpoint being written in the background (``async_save``) is in place;
-        returns its folder (``None`` if none was pending). Raises what made it fail."""
-        pending, self._pending_save = self._pending_save, None
-        return pending.wait() if pending is not None else None
-
-    def load_state(self, input_dir: str | os.PathLike | None = None, **load_kwargs: Any) -> None:
-        """Restore what :meth:`save_state` wrote, after verifying every file against the manifest.
-
-        Without ``input_dir``, the newest automatically named checkpoint of the project. A
-        dataloader resumes at the start of the epoch that was running (the loop skips what it
-        has seen, e.g. with :meth:`skip_first_batches`), or, with
-        ``DataLoaderConfiguration(use_stateful_dataloader=True)``, at the next unseen batch.
-
-        Raises:
-            FileNotFoundError: no checkpoint folder there (a :class:`~mixprec.CheckpointError`).
-            CheckpointError: naming the file that is missing, truncated, altered, or that holds
-                anything but tensors (nothing in it is run).
-        """
-        self.wait_for_checkpoint()
-        path = resolve_load_dir(input_dir, self.project_configuration)
-        meta, precision_state = load_accelerator_state(path, self.prepared, self._process, self.device,
-                                                       hooks=self._state_hooks)
-        if meta.get("precision_fallback") and meta["precision"] != self.policy.name:
-            self._switch_precision(meta["precision"])  # the run had fallen back: keep it so
-            self.precision_fallbacks.append({"step": meta.get("optimizer_steps", 0), "to": meta["precision"]})
-        self.precision.load_state_dict(precision_state)
-        self.audit.scaler_loaded(self.precision.state_dict(), precision_state, enabled=self.scaler is not None)
-        self.step = int(meta["step"])
-        self.optimizer_steps = int(meta.get("optimizer_steps", 0))
 
     def precision_report(self) -> PrecisionReport:
         """What precision is really in force, read from the live objects, and where it differs

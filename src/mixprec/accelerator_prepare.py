@@ -1,0 +1,188 @@
+"""The Accelerator's ``prepare``: models, optimizers, schedulers and dataloaders made ready for
+the precision, the device and the processes (Hugging Face Accelerate's names).
+
+A model is moved to the device, converted for the precision (bf16 parameters for bf16-true),
+given the precision's forward, observed by the precision audit and the diagnostics, and sharded
+with FSDP2 or wrapped in DDP; an optimizer is pointed at the sharded parameters and wrapped so
+its step goes through the precision plugin; a scheduler steps only when its optimizer's step was
+applied; a dataloader is sharded over the processes and resumable. A mixin of
+:class:`~mixprec.Accelerator`, whose state it reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from . import distributed as D
+from .audit import recording_ddp_hook
+from .data import PreparedDataLoader
+from .diagnostics.monitor import Monitor
+from .fsdp import shard_model
+from .wrappers import AcceleratedOptimizer, AcceleratedScheduler, patch_forward
+
+__all__ = ["PrepareAPI"]
+
+
+def _kind(obj: Any) -> str | None:
+    """What ``prepare`` makes of ``obj``: an optimizer is checked before the scheduler duck type
+    (a prepared optimizer also has ``step`` and an ``.optimizer``)."""
+    if isinstance(obj, torch.nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, DataLoader):
+        return "dataloader"
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+            hasattr(obj, "step") and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer)):
+        return "scheduler"
+    return None
+
+
+class PrepareAPI:
+    """Mixin: ``prepare`` and its parts."""
+
+    # -- prepare --------------------------------------------------------------------------
+    def prepare(self, *objects: Any, device_placement: list[bool | None] | None = None) -> Any:
+        """Wrap models, optimizers, schedulers and dataloaders; returns them in the order given.
+
+        Anything else (``None``, a list, a tokenizer) comes back unchanged, as in Accelerate; an
+        object prepared already comes back as it is. ``device_placement`` (one entry per object)
+        overrides the Accelerator's for the models among them.
+        """
+        self.state.num_processes  # noqa: B018 - after state._reset_state() this says so, early
+        if device_placement is not None and len(device_placement) != len(objects):
+            raise ValueError(f"device_placement has {len(device_placement)} entries for {len(objects)} objects")
+        kinds = [_kind(obj) for obj in objects]
+        out: list[Any] = list(objects)
+        # Models before optimizers (bf16-true casts the parameters the optimizer holds), and
+        # schedulers last, since they must find their prepared optimizer.
+        for wanted in ("model", "optimizer", "dataloader", "scheduler"):
+            for i, (obj, kind) in enumerate(zip(objects, kinds)):
+                if kind != wanted or getattr(obj, "_is_accelerate_prepared", False):
+                    continue
+                if kind == "model":
+                    out[i] = self.prepare_model(obj, device_placement[i] if device_placement else None)
+                else:
+                    out[i] = {"optimizer": self.prepare_optimizer, "dataloader": self.prepare_data_loader,
+                              "scheduler": self.prepare_scheduler}[kind](obj)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _mark_prepared(self, obj: Any) -> Any:
+        try:
+            obj._is_accelerate_prepared = True  # Accelerate's mark, read by its users and by prepare()
+        except AttributeError:  # pragma: no cover - objects with __slots__
+            pass
+        return obj
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
+        """Move ``model`` to the device, convert it for the precision (bf16 parameters for
+        bf16-true), run its forward in the current precision, and wrap it in
+        ``DistributedDataParallel`` when several processes run. A model prepared already is
+        returned as it is."""
+        if any(model is m for m in self.prepared.models):
+            return model
+        if getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False):
+            device_map = getattr(model, "hf_device_map", None) or {}
+            if any(d in ("cpu", "disk") for d in device_map.values()):
+                raise ValueError("a model quantized by bitsandbytes with CPU or disk offload cannot be trained: "
+                                 "load it wholly on the GPU (device_map={'': 0})")
+        if device_placement if device_placement is not None else self.device_placement:
+            model.to(self.device)
+        self.precision.convert_module(model)
+        patch_forward(model, self._current_precision)
+        if self.use_distributed and self.fsdp_plugin is not None:
+            # Every rank shards the same weights: rank 0's (as DDP does; FSDP2 alone would keep
+            # each rank's own slice of differently initialised models).
+            D.broadcast_module_state(model)
+            before = dict(model.named_parameters())
+            shard_model(model, self.fsdp_plugin, self.precision.sharding_policy(self.fsdp_plugin.reduce_dtype))
+            # (activation checkpointing wraps the blocks: their names gain the wrapper's prefix)
+            after = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
+            # fully_shard replaces the parameters: optimizers built on the old ones are pointed at them.
+            self._sharded_params.update({id(p): after[n] for n, p in before.items() if n in after})
+        self.audit.watch_model(model)
+        if self.diagnostics.enabled:  # after sharding: the statistics read the sharded gradients
+            if self.monitor is None:
+                self.monitor = Monitor(self.diagnostics, scaler=self.scaler)
+            self.monitor.watch(model)
+        if self.use_distributed and self.fsdp_plugin is None:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=ids)
+            # The bucket's mean, compressed to ddp_comm_hook's dtype if set; the audit sees its dtype.
+            wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.ddp_comm_hook or "")
+            model.register_comm_hook(state=None, hook=recording_ddp_hook(self.audit.record_reduced, wire))
+        if self.compile:
+            # Compiled around the precision's forward, so autocast is traced into the graph.
+            model = torch.compile(model, **(self.compile if isinstance(self.compile, dict) else {}))
+        self.prepared.models.append(model)
+        return self._mark_prepared(model)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        """Wrap ``optimizer`` so that ``step()`` goes through the precision plugin (bf16-true
+        first swaps a fresh AdamW/SGD for its compensated twin)."""
+        if isinstance(optimizer, AcceleratedOptimizer):
+            optimizer = optimizer.optimizer
+        if self._sharded_params:
+            for group in optimizer.param_groups:
+                group["params"] = [self._sharded_params.get(id(p), p) for p in group["params"]]
+        converted = self.precision.convert_optimizer(optimizer)
+        self.precision.track_optimizer(converted)
+        wrapped = AcceleratedOptimizer(converted, self._optimizer_hooks, original=optimizer)
+        self.prepared.optimizers.append(wrapped)
+        return self._mark_prepared(wrapped)
+
+    def prepare_scheduler(self, scheduler: Any, *, steps_per_call: int | None = None) -> AcceleratedScheduler:
+        """Wrap ``scheduler`` so that it steps only when its optimizer's step was applied (see
+        ``step_scheduler_with_optimizer``). ``steps_per_call`` overrides Accelerate's count of
+        schedule steps per applied step (the number of processes, or 1 with ``split_batches``)."""
+        optimizers = self.prepared.optimizers
+        mine = [o for o in optimizers if scheduler.optimizer in (o.optimizer, o.original_optimizer)]
+        per_call = steps_per_call or (1 if self.split_batches else self.num_processes)
+        wrapped = AcceleratedScheduler(scheduler, mine or optimizers, self.gradient_state,
+                                       step_with_optimizer=self.step_scheduler_with_optimizer, steps_per_call=per_call)
+        self.prepared.schedulers.append(wrapped)
+        return self._mark_prepared(wrapped)
+
+    def prepare_data_loader(self, dataloader: DataLoader, *, checkpoint: bool = True) -> PreparedDataLoader:
+        """Batches on the device, and each process its own shard of every batch round.
+
+        Args:
+            dataloader: the user's ``DataLoader``.
+            checkpoint: save and restore its position in :meth:`save_state` (off for loaders
+                made afresh for each evaluation).
+        """
+        # One seed for the shuffle order, the same on every process so the shards fit together;
+        # drawn from torch's RNG (so torch.manual_seed decides it) only where a shuffle needs it.
+        needs_seed = isinstance(dataloader.sampler, torch.utils.data.RandomSampler) and (
+            dataloader.sampler.generator is None and dataloader.generator is None)
+        config = self.dataloader_config
+        if config.data_seed is not None:
+            seed = int(config.data_seed)
+        else:
+            seed = D.broadcast_object(int(torch.randint(0, 2**62, (1,)).item())) if needs_seed else 0
+        device = self.device if self.device_placement else None
+        prepared = PreparedDataLoader(dataloader, device=device, world_size=self.num_processes, rank=self.process_index,
+                                      seed=seed, float_dtype=self.precision.input_dtype,
+                                      on_iter=self.gradient_state._add_dataloader,
+                                      on_end=self.gradient_state._remove_dataloader,
+                                      non_blocking=config.non_blocking, resume_position=config.use_stateful_dataloader)
+        if checkpoint:
+            self.prepared.dataloaders.append(prepared)
+        return self._mark_prepared(prepared)
+
+    def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
+        """Start ``dataloader``'s next epoch at batch ``num_batches``, without loading the ones before.
+
+        Returns the same prepared dataloader (the skip applies to one epoch). After
+        :meth:`load_state` the dataloader already resumes at the saved batch; calling this sets
+        the start instead of adding to it.
+        """
+        if not isinstance(dataloader, PreparedDataLoader):
+            raise TypeError(f"skip_first_batches() takes a dataloader returned by prepare(), got "
+                            f"{type(dataloader).__name__}; call accelerator.prepare(dataloader) first")
+        dataloader.skip_batches(num_batches)
+        return dataloader
