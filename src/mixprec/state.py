@@ -30,6 +30,7 @@ from . import checkpoint as ckpt
 from . import distributed as D
 from .configs import ProjectConfiguration
 from .fsdp import load_sharded, save_sharded
+from .nested import tree_leaves
 from .wrappers import unwrap
 
 __all__ = ["PendingSave", "PreparedObjects", "StateHooks", "load_accelerator_state", "resolve_load_dir", "resolve_save_dir",
@@ -258,14 +259,8 @@ _FULL = {errno.ENOSPC: "the disk is full", errno.EFBIG: "a file size limit was r
 def checkpoint_bytes(prepared: PreparedObjects) -> int:
     """About how many bytes a checkpoint of ``prepared`` takes: its models' and optimizers' tensors."""
     def nbytes(obj: Any) -> int:
-        if torch.is_tensor(obj):
-            t = obj.to_local() if hasattr(obj, "to_local") else obj
-            return t.numel() * t.element_size()
-        if isinstance(obj, dict):
-            return sum(nbytes(v) for v in obj.values())
-        if isinstance(obj, (list, tuple)):
-            return sum(nbytes(v) for v in obj)
-        return 0
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tree_leaves(obj) if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in local)
     return (sum(nbytes(unwrap(m).state_dict()) for m in prepared.models)
             + sum(nbytes(o.optimizer.state) for o in prepared.optimizers))
 
