@@ -8,10 +8,8 @@ file is the loop, evaluation, and the bookkeeping around them.
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import os
-import pickle
 import random
 import time
 from collections.abc import Generator
@@ -48,7 +46,8 @@ from .checkpoints import (
     write_trainer_checkpoint,
 )
 from .data import collate, model_input_names, prepare_dataset
-from .evaluation import EvalPrediction, PredictionOutput, evaluation_loop, predict_batch
+from .evaluation import EvalPrediction, EvaluationAPI, PredictionOutput
+from .export import ExportAPI
 from .nonfinite import SkipRecorder, find_nonfinite_inputs
 from .outputs import call_model, extract_loss
 from .reporters import (
@@ -56,10 +55,7 @@ from .reporters import (
     PrinterCallback,
     ProgressCallback,
     TensorBoardCallback,
-    format_metrics,
-    print_metrics,
     trim_logs_after,
-    write_metrics,
 )
 from .schedules import build_optimizer, get_scheduler
 from .trainer_state import TrainerControl, TrainerState, export_states
@@ -81,7 +77,7 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer:
+class Trainer(EvaluationAPI, ExportAPI):
     """Train, evaluate and checkpoint a model, in mixed precision, in one call.
 
     Hugging Face's arguments, in Hugging Face's order:
@@ -624,18 +620,6 @@ class Trainer:
         self._event("on_save")
         return path
 
-    def _args_bin(self) -> bytes:
-        """``training_args.bin``: the arguments pickled with ``torch.save``, as Hugging Face writes them
-        (for tools that read them back; mixprec itself never unpickles it)."""
-        buf = io.BytesIO()
-        try:
-            torch.save(self.args, buf)
-        except (pickle.PicklingError, AttributeError, TypeError) as e:  # e.g. a subclass defined in a function
-            log.warning(f"training_args.bin not written: the arguments cannot be pickled ({e}); "
-                        "training_args.json holds them")
-            return b""
-        return buf.getvalue()
-
     def _finish(self, start_time: float) -> TrainOutput:
         s = self.state
         self._read_scaler_into_state()  # the skip count is exact at the end, whatever logging_steps
@@ -656,96 +640,6 @@ class Trainer:
             self.log(metrics)
         self._event("on_train_end")
         return TrainOutput(s.global_step, metrics["train_loss"], metrics)
-
-    # -- evaluation ------------------------------------------------------------------------
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
-                 metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss and ``compute_metrics`` on the eval set(s); logged and passed to ``on_evaluate``.
-        ``eval_dataset`` may name one of a dict of eval datasets (its metrics get the name too)."""
-        if isinstance(eval_dataset, str):
-            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
-                raise ValueError(f"evaluate(eval_dataset={eval_dataset!r}): a name needs the Trainer's eval_dataset "
-                                 "to be a dict holding it")
-            return self.evaluate(self.eval_dataset[eval_dataset], ignore_keys, f"{metric_key_prefix}_{eval_dataset}")
-        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if isinstance(ds, dict):
-            metrics: dict[str, float] = {}
-            for name, part in ds.items():
-                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        out = self._run_evaluation(self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix)
-        self.log(out.metrics)
-        self._event("on_evaluate", metrics=out.metrics)
-        return out.metrics
-
-    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
-                metric_key_prefix: str = "test") -> PredictionOutput:
-        """Predictions (numpy), labels (where present) and metrics on ``test_dataset``."""
-        out = self._run_evaluation(self.get_test_dataloader(test_dataset), ignore_keys, metric_key_prefix)
-        self._event("on_predict", metrics=out.metrics)
-        return out
-
-    def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str) -> PredictionOutput:
-        self.callback_handler.eval_dataloader = dl
-        return evaluation_loop(self, dl, ignore_keys, prefix,
-                               on_step=lambda: self._event("on_prediction_step"),
-                               prediction_loss_only=self.args.prediction_loss_only,
-                               batch_metrics=self.args.batch_eval_metrics)
-
-    def prediction_step(self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
-                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
-        """``(loss, logits, labels)`` of one evaluation batch, without gradients (override to change
-        what evaluation computes; ``logits`` is everything the model returned but the loss)."""
-        with self._eval_autocast():
-            return predict_batch(self, model, inputs, prediction_loss_only, ignore_keys)
-
-    def _eval_autocast(self) -> Any:
-        # fp16_full_eval / bf16_full_eval: evaluation computes in that dtype. mixprec autocasts
-        # instead of casting the weights (Hugging Face's .half()), so training can go on after it.
-        if self.args.fp16_full_eval or self.args.bf16_full_eval:
-            dtype = torch.float16 if self.args.fp16_full_eval else torch.bfloat16
-            return torch.autocast(self.accelerator.device.type, dtype=dtype)
-        return contextlib.nullcontext()
-
-    # -- models out ------------------------------------------------------------------------
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> Path:
-        """Save the model's weights (safetensors; ``save_pretrained`` for Hugging Face models) and
-        the arguments (``training_args.json``, and ``training_args.bin`` as Hugging Face writes it)."""
-        out = Path(output_dir or self.args.output_dir)
-        model = self.accelerator.unwrap_model(self.model)
-        if hasattr(model, "save_pretrained") and hasattr(model, "config"):
-            if self.accelerator.is_main_process:
-                model.save_pretrained(str(out), safe_serialization=True)
-            self.accelerator.wait_for_everyone()
-        else:
-            self.accelerator.save_model(model, out)
-        if self.accelerator.is_main_process:
-            self.args.to_json_file(out / "training_args.json")
-            if args_bin := self._args_bin():
-                (out / "training_args.bin").write_bytes(args_bin)
-            if hasattr(self.processing_class, "save_pretrained"):  # the tokenizer beside the model, as in HF
-                self.processing_class.save_pretrained(str(out))
-        return out
-
-    def save_state(self) -> None:
-        """Write ``trainer_state.json`` into ``output_dir`` (main process only), as Hugging Face does."""
-        if self.accelerator.is_main_process:
-            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
-            self.state.save_to_json(Path(self.args.output_dir) / "trainer_state.json")
-
-    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
-        """Print ``metrics`` readably under ``***** {split} metrics *****`` (main process only)."""
-        if self.accelerator.is_main_process:
-            print_metrics(split, metrics)
-
-    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
-        """Write ``output_dir/{split}_results.json`` (and merge into ``all_results.json``)."""
-        if self.accelerator.is_main_process:
-            write_metrics(self.args.output_dir, split, metrics, combined)
-
-    def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """``metrics`` made readable (runtimes as h:mm:ss, floats to 4 digits)."""
-        return format_metrics(metrics)
 
     def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
         """Not supported: mixprec does not upload (push ``output_dir`` with ``huggingface_hub``)."""
