@@ -44,10 +44,11 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     return safetensors.torch.load_file(str(out / "final.safetensors"))
 
 
-def one_process(precision: str, steps: int = 8) -> dict[str, torch.Tensor]:
-    """The same model, data order and global batches, trained in one process without sharding."""
+def one_process(precision: str, steps: int = 8, accelerator: Accelerator | None = None) -> dict[str, torch.Tensor]:
+    """The same model, data order and global batches, trained in one process without sharding
+    (by ``accelerator`` if given)."""
     Net = _script_module().Net
-    acc = Accelerator(mixed_precision=precision, cpu=True)
+    acc = accelerator or Accelerator(mixed_precision=precision, cpu=True)
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -299,19 +300,8 @@ def test_gradient_statistics_count_every_shard_once(tmp_path):
     shows in rank 0's report."""
     res = launch(tmp_path, "--precision", "fp32", "--diagnostics", "--steps", "2")  # (the tracer runs too)
     assert res["overflow_events"] == []
-    Net = _script_module().Net
     acc = Accelerator(cpu=True, diagnostics={"gradient_stats_every": 1})
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt, dl = acc.prepare(model, opt, torch.utils.data.DataLoader(Regression(n=64), batch_size=8))
-    for i, (x, y) in enumerate(dl):
-        acc.backward(torch.nn.functional.mse_loss(model(x).float(), y))
-        acc.clip_grad_norm_(model.parameters(), 10.0)
-        opt.step()
-        opt.zero_grad()
-        if i == 1:
-            break
+    one_process("fp32", steps=2, accelerator=acc)
     ref = acc.monitor.stats.report()
     assert len(res["grad_stats"]) == len(ref) == 2
     for got, want in zip(res["grad_stats"], ref):
