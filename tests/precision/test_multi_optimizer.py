@@ -93,7 +93,8 @@ def _gan_losses(g, d, step: int) -> tuple:
     return (lambda: (d(g(z).detach()) - d(real)).float().mean()), (lambda: -d(g(z)).float().mean())
 
 
-def test_gan_loop_two_losses_two_backwards_two_optimizers_matches_torchs_recipe():
+def _gan_pair():
+    """A generator and a critic prepared by the Accelerator, and their twins with torch's GradScaler."""
     torch.manual_seed(0)
     g, d = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
     rg, rd = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
@@ -102,7 +103,11 @@ def test_gan_loop_two_losses_two_backwards_two_optimizers_matches_torchs_recipe(
     og, od = torch.optim.SGD(g.parameters(), lr=0.05), torch.optim.SGD(d.parameters(), lr=0.05)
     g, d, og, od = acc.prepare(g, d, og, od)
     rog, rod = torch.optim.SGD(rg.parameters(), lr=0.05), torch.optim.SGD(rd.parameters(), lr=0.05)
-    scaler = _torch_scaler()
+    return acc, (g, d, og, od), (rg, rd, rog, rod), _torch_scaler()
+
+
+def test_gan_loop_two_losses_two_backwards_two_optimizers_matches_torchs_recipe():
+    acc, (g, d, og, od), (rg, rd, rog, rod), scaler = _gan_pair()
     for step in range(STEPS):
         loss_d, loss_g = _gan_losses(g, d, step)
         od.zero_grad(); acc.backward(loss_d())  # noqa: E702
@@ -132,15 +137,7 @@ def test_critic_stepped_several_times_per_generator_step_matches_torchs_recipe()
     # generator step closes an iteration before each of its further steps; its k-th step and the
     # generator's share one update, the grouping the reference loop below writes out.
     k = 3
-    torch.manual_seed(0)
-    g, d = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
-    rg, rd = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
-    rg.load_state_dict(g.state_dict()); rd.load_state_dict(d.state_dict())  # noqa: E702
-    acc = _accelerator()
-    og, od = torch.optim.SGD(g.parameters(), lr=0.05), torch.optim.SGD(d.parameters(), lr=0.05)
-    g, d, og, od = acc.prepare(g, d, og, od)
-    rog, rod = torch.optim.SGD(rg.parameters(), lr=0.05), torch.optim.SGD(rd.parameters(), lr=0.05)
-    scaler = _torch_scaler()
+    acc, (g, d, og, od), (rg, rd, rog, rod), scaler = _gan_pair()
     inf_at, ref_skips = (1, 1), []  # cycle 1, the critic's second step
     for cycle in range(3):
         for i in range(k):
