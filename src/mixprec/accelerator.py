@@ -173,6 +173,8 @@ class Accelerator(PrepareAPI, CheckpointAPI, ProcessAPI):
                                                       bf16_true=self.bf16_true, skip_nonfinite_steps=skip_nonfinite_steps)
         self.device_placement = device_placement
         self.ddp_comm_hook = ddp_comm_hook
+        # The dtype DDP's all-reduce sends gradients in, when ddp_comm_hook compresses them.
+        self._ddp_wire_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(ddp_comm_hook or "")
         self.step = 0  # micro-batches seen by accumulate(), as Accelerate counts them
         #: Everything prepared (and registered for checkpointing), in order; what save_state writes.
         self.prepared = PreparedObjects()
@@ -494,14 +496,11 @@ class Accelerator(PrepareAPI, CheckpointAPI, ProcessAPI):
         reduce_dtype = None
         if mode == "fsdp" and p.compute_dtype != torch.float32:
             reduce_dtype = self.fsdp_plugin.reduce_dtype or p.compute_dtype  # None: FSDP2 reduces in param_dtype
-        elif mode == "ddp" and self.ddp_comm_hook:
-            reduce_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[self.ddp_comm_hook]
-        moments = None
-        if p.name == "bf16-true":
-            moments = self.bf16_true.state_dtype if self.bf16_true.compensation != "none" else p.param_dtype
+        elif mode == "ddp":
+            reduce_dtype = self._ddp_wire_dtype
         return self.audit.report(p.name, mode, [unwrap(m) for m in self.prepared.models],
                                  [o.optimizer for o in self.prepared.optimizers], self.scaler,
-                                 reduce_dtype=reduce_dtype, moments=moments)
+                                 reduce_dtype=reduce_dtype, moments=self.precision.optimizer_state_dtype)
 
     def free_memory(self, *objects: Any) -> Any:
         """Forget every prepared object, collect garbage and empty the device cache (between two

@@ -113,8 +113,8 @@ class PrepareAPI:
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)
             # The bucket's mean, compressed to ddp_comm_hook's dtype if set; the audit sees its dtype.
-            wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.ddp_comm_hook or "")
-            model.register_comm_hook(state=None, hook=recording_ddp_hook(self.audit.record_reduced, wire))
+            model.register_comm_hook(state=None, hook=recording_ddp_hook(self.audit.record_reduced,
+                                                                          self._ddp_wire_dtype))
         if self.compile:
             # Compiled around the precision's forward, so autocast is traced into the graph.
             model = torch.compile(model, **(self.compile if isinstance(self.compile, dict) else {}))

@@ -188,6 +188,12 @@ class PrecisionPlugin:
     def release(self) -> None:
         """Undo what this plugin attached to the run (when the run switches to another precision)."""
 
+    @property
+    def optimizer_state_dtype(self) -> torch.dtype | None:
+        """The dtype the optimizers this precision prepares keep their moments in; ``None``: the
+        parameters' own, as torch's optimizers do (what :meth:`Accelerator.precision_report` expects)."""
+        return None
+
     def sharding_policy(self, reduce_dtype: torch.dtype | None = torch.float32) -> Any:
         """FSDP2's ``MixedPrecisionPolicy`` for this precision: parameters gathered in the compute
         dtype where it differs from the stored one (the sharded master weights stay as they are),

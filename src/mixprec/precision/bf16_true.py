@@ -77,6 +77,12 @@ class BF16TruePrecision(PrecisionPlugin):
         super().__init__(policy, device, loss_scaler=loss_scaler)
         self.config = bf16_true if bf16_true is not None else BF16TrueConfig()
 
+    @property
+    def optimizer_state_dtype(self) -> torch.dtype | None:
+        """The compensated optimizer's ``state_dtype``; without compensation torch's own optimizer
+        keeps the moments in the parameters' bf16."""
+        return self.config.state_dtype if self.config.compensation != "none" else self.policy.param_dtype
+
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         # bf16 everywhere but normalisation layers, whose statistics stay fp32.
         return cast_for_bf16_true(module, dtype=self.policy.param_dtype)
