@@ -162,7 +162,8 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
                 local.append(p)
                 given.append(None)
                 continue
-            lp = p.to_local().view_as(p.to_local())  # a new view object: .grad and state attach to it
+            shard = p.to_local()
+            lp = shard.view_as(shard)  # a new view object: .grad and state attach to it
             lp.grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             views = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in self.state[p].items()}
             self.state[lp] = dict(views)
