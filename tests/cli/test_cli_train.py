@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -127,20 +128,28 @@ def test_parse_overrides_reads_values_as_toml():
         "training": {"learning_rate": 1e-3, "fp16": True, "output_dir": "runs/x"}}
 
 
-@pytest.mark.slow
-def test_ctrl_c_saves_a_checkpoint_that_resume_continues(tmp_path):
-    out = tmp_path / "run"
+def _train_until_signalled(out: Path, sig: int) -> tuple[list[str], int, str, str]:
+    """Start a long `mixprec train` into ``out``, send it ``sig`` once it has logged and trained a
+    second more; returns the command (without --max-steps, to resume with), its status and output."""
     base = [sys.executable, "-m", "mixprec.cli", "train", str(EXAMPLES / "pycode-tiny.toml"), "--task.max_bytes",
-            "100000", "--output-dir", str(out), "--save-strategy", "no", "--eval-strategy", "no", "--disable-tqdm", "true"]
-    cmd = [*base, "--max-steps", "100000", "--logging-steps", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            "100000", "--output-dir", str(out), "--save-strategy", "no", "--eval-strategy", "no", "--disable-tqdm", "true",
+            "--logging-steps", "1"]
+    proc = subprocess.Popen([*base, "--max-steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not (out / "metrics.jsonl").exists():
         time.sleep(0.2)
     time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr[-2000:]
+    return base, proc.returncode, stdout, stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_that_resume_continues(tmp_path):
+    out = tmp_path / "run"
+    base, returncode, stdout, stderr = _train_until_signalled(out, signal.SIGINT)
+    assert returncode == 130, stderr[-2000:]
     assert "stopped by Ctrl-C" in stdout and "--resume" in stdout
     ckpts = list(out.glob("checkpoint-*"))
     assert len(ckpts) == 1
@@ -156,18 +165,8 @@ def test_sigterm_finishes_the_step_checkpoints_exits_75_and_resume_continues(tmp
     """A scheduler's preemption: SIGTERM to `mixprec train` finishes the step, writes a checkpoint at
     it, logs one line, exits with status 75; --resume continues from it, logging each step once."""
     out = tmp_path / "run"
-    base = [sys.executable, "-m", "mixprec.cli", "train", str(EXAMPLES / "pycode-tiny.toml"), "--task.max_bytes",
-            "100000", "--output-dir", str(out), "--save-strategy", "no", "--eval-strategy", "no", "--disable-tqdm", "true",
-            "--logging-steps", "1"]
-    proc = subprocess.Popen([*base, "--max-steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (out / "metrics.jsonl").exists():
-        time.sleep(0.2)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 75, stderr[-2000:]
+    base, returncode, stdout, stderr = _train_until_signalled(out, signal.SIGTERM)
+    assert returncode == 75, stderr[-2000:]
     ckpts = list(out.glob("checkpoint-*"))
     assert len(ckpts) == 1  # save_strategy="no": the preemption's checkpoint alone
     step = int(ckpts[0].name.split("-")[1])

@@ -104,12 +104,17 @@ def test_a_finite_activation_above_the_threshold_is_flagged_as_near_overflow():
         assert tracer.end_step(1) is None
 
 
-def test_tensors_inside_dataclass_tuple_and_dict_outputs_are_traced():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), DataclassOut())
+def _first_event_behind_a_linear_in_fp16(out: torch.nn.Module):
+    """The tracer's event for one fp16-autocast forward of ``Linear(4, 4)`` then ``out``."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), out)
     with OverflowTracer(model) as tracer:
         with torch.autocast("cpu", dtype=torch.float16):
             model(torch.ones(2, 4))
-        event = tracer.end_step(0)
+        return tracer.end_step(0)
+
+
+def test_tensors_inside_dataclass_tuple_and_dict_outputs_are_traced():
+    event = _first_event_behind_a_linear_in_fp16(DataclassOut())
     assert (event.module_path, event.kind) == ("1", "forward")
 
 
@@ -173,9 +178,5 @@ class UserDictOut(torch.nn.Module):
 
 
 def test_tensors_inside_mappings_and_attributes_of_plain_objects_are_traced():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), UserDictOut())
-    with OverflowTracer(model) as tracer:
-        with torch.autocast("cpu", dtype=torch.float16):
-            model(torch.ones(2, 4))
-        event = tracer.end_step(0)
+    event = _first_event_behind_a_linear_in_fp16(UserDictOut())
     assert (event.module_path, event.kind, event.nonfinite) == ("1", "forward", True)

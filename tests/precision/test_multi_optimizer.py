@@ -106,6 +106,15 @@ def _gan_pair():
     return acc, (g, d, og, od), (rg, rd, rog, rod), _torch_scaler()
 
 
+def _reference_generator_step_closes_the_iteration(acc, scaler, rog, ref_g) -> None:
+    """torch's recipe for the generator's step, which ends the iteration: the scales then agree."""
+    rog.zero_grad()
+    scaler.scale(ref_g()).backward()
+    scaler.step(rog)
+    scaler.update()
+    assert acc.scaler.get_scale() == scaler.get_scale()
+
+
 def test_gan_loop_two_losses_two_backwards_two_optimizers_matches_torchs_recipe():
     acc, (g, d, og, od), (rg, rd, rog, rod), scaler = _gan_pair()
     for step in range(STEPS):
@@ -123,11 +132,7 @@ def test_gan_loop_two_losses_two_backwards_two_optimizers_matches_torchs_recipe(
         if step == 2:
             _inject_inf(rd)
         scaler.step(rod)
-        rog.zero_grad()
-        scaler.scale(ref_g()).backward()
-        scaler.step(rog)
-        scaler.update()
-        assert acc.scaler.get_scale() == scaler.get_scale()
+        _reference_generator_step_closes_the_iteration(acc, scaler, rog, ref_g)
     _assert_same([g, d], [rg, rd])
     assert (od.skipped_steps, og.skipped_steps, acc.scaler.skipped_steps) == (1, 0, 1)
 
@@ -161,11 +166,7 @@ def test_critic_stepped_several_times_per_generator_step_matches_torchs_recipe()
         _, loss_g = _gan_losses(g, d, 10 * cycle)
         og.zero_grad(); acc.backward(loss_g()); og.step()  # noqa: E702
         _, ref_g = _gan_losses(_in_autocast(rg), _in_autocast(rd), 10 * cycle)
-        rog.zero_grad()
-        scaler.scale(ref_g()).backward()
-        scaler.step(rog)
-        scaler.update()
-        assert acc.scaler.get_scale() == scaler.get_scale()
+        _reference_generator_step_closes_the_iteration(acc, scaler, rog, ref_g)
     _assert_same([g, d], [rg, rd])
     assert ref_skips[k + 1] and acc.scaler.total_steps == 3 * k
     assert (od.skipped_steps, og.skipped_steps) == (sum(ref_skips), 0)
