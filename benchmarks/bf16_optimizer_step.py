@@ -5,7 +5,7 @@ gradients; each optimizer steps them in turn, interleaved in rounds, and the med
 printed against torch's fused AdamW on the same weights in fp32 (what bf16-mixed and fp32 use).
 
 Rows: torch's fused AdamW on fp32 weights (the baseline) and on bf16 weights (plain bf16-true,
-moments in bf16, small updates lost); mixprec.optim.AdamW with Kahan compensation, its foreach
+moments in bf16, small updates lost); mixprec.precision.optim.AdamW with Kahan compensation, its foreach
 update (``fused=False``) and its compiled one (``fused=True``; the first step compiles, in the
 warm-up), with fp32 and with bf16 moments; and stochastic rounding, compiled.
 
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from mixprec.bf16_true import cast_for_bf16_true
-from mixprec.optim import AdamW
+from mixprec.precision.bf16_true import cast_for_bf16_true
+from mixprec.precision.optim import AdamW
 from mixprec.tasks import GPT, PYCODE_SIZES
 
 from _common import interleave

@@ -41,7 +41,7 @@ def worker(args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from mixprec import Accelerator, FullyShardedDataParallelPlugin, get_task
-    from mixprec.bench import tensor_peak_bytes
+    from mixprec.apps.bench import tensor_peak_bytes
 
     fsdp = FullyShardedDataParallelPlugin() if args.mode == "fsdp" else None
     acc = Accelerator(mixed_precision=args.precision, cpu=True, fsdp_plugin=fsdp)

@@ -341,7 +341,7 @@ def test_bf16_true_keeps_norms_in_fp32_and_the_scheduler_drives_the_compensated_
     acc.backward(model(torch.randn(3, 4)).float().pow(2).mean())
     popt.step()
     psched.step()
-    assert type(popt.optimizer).__module__ == "mixprec.optim" and popt.optimizer.param_groups[0]["lr"] == 5e-4
+    assert type(popt.optimizer).__module__ == "mixprec.precision.optim.compensated" and popt.optimizer.param_groups[0]["lr"] == 5e-4
 
 
 @pytest.mark.parametrize("given,expected", [("bf16", torch.bfloat16), (torch.bfloat16, torch.bfloat16),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mixprec import Accelerator
-from mixprec.audit import expected_dtypes
+from mixprec.accelerator.audit import expected_dtypes
 
 from toys import SCRIPTS, torchrun
 

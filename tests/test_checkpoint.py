@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 
 from mixprec import Accelerator, CheckpointError
-from mixprec.checkpoint import is_complete_checkpoint, verify_checkpoint, write_checkpoint
+from mixprec.checkpoint.folder import is_complete_checkpoint, verify_checkpoint, write_checkpoint
 
 from toys import SCRIPTS, TinyLM
 

@@ -1,4 +1,4 @@
-"""mixprec.configs: Accelerate's configuration objects, on their own."""
+"""mixprec.accelerator.configs: Accelerate's configuration objects, on their own."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mixprec.configs import (
+from mixprec.accelerator.configs import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
     ProjectConfiguration,

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from mixprec.apps.doctor import DoctorConfig, run_doctor
 from mixprec.cli import main
-from mixprec.doctor import DoctorConfig, run_doctor
 
 from toys import blobs
 

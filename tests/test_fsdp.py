@@ -151,7 +151,7 @@ def test_plugin_fields_without_an_fsdp2_meaning_say_what_to_do():
 
 
 def test_blocks_default_to_each_layer_of_a_modulelist_and_names_must_match():
-    from mixprec.fsdp import blocks_to_shard
+    from mixprec.distributed.fsdp import blocks_to_shard
 
     net = _script_module().Net()
     assert blocks_to_shard(net, FullyShardedDataParallelPlugin()) == list(net.layers)
@@ -162,7 +162,7 @@ def test_blocks_default_to_each_layer_of_a_modulelist_and_names_must_match():
 def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
     import pickle
 
-    from mixprec.fsdp import _SafeMetadataUnpickler
+    from mixprec.distributed.fsdp import _SafeMetadataUnpickler
 
     class Evil:
         def __reduce__(self):
@@ -181,7 +181,7 @@ def test_async_save_appears_complete_and_a_failure_in_the_background_leaves_noth
     opt.step()
     acc.save_state(tmp_path / "a", async_save=True)
     assert acc.wait_for_checkpoint() == tmp_path / "a"
-    from mixprec.checkpoint import verify_checkpoint
+    from mixprec.checkpoint.folder import verify_checkpoint
 
     assert any(name.startswith("model_0/") for name in verify_checkpoint(tmp_path / "a"))
     w = model.weight.detach().clone()
@@ -189,7 +189,7 @@ def test_async_save_appears_complete_and_a_failure_in_the_background_leaves_noth
         model.weight.zero_()
     acc.load_state(tmp_path / "a")
     assert torch.equal(model.weight, w)
-    import mixprec.checkpoint as ckpt
+    import mixprec.checkpoint.folder as ckpt
 
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")
@@ -285,7 +285,7 @@ def test_a_rank_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint_lo
     cmd = torchrun(SCRIPT, str(out), "--precision", "fp32", "--save-at", "2", "--die-saving-at", "4")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0 and not (out / "final.safetensors").exists()  # it really died
-    from mixprec.checkpoint import verify_checkpoint
+    from mixprec.checkpoint.folder import verify_checkpoint
 
     verify_checkpoint(out / "ckpt")  # the step-2 checkpoint, whole
     assert json.loads((out / "ckpt" / "loop.json").read_text())["step"] == 2

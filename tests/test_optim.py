@@ -1,4 +1,4 @@
-"""Tests for mixprec.optim (compensated bf16 optimizers) and mixprec.bf16_true (fp32 norms).
+"""Tests for mixprec.precision.optim (compensated bf16 optimizers) and mixprec.precision.bf16_true (fp32 norms).
 
 The regression problem: 64 weights drawn in [1.5, 3.5) (bf16's spacing there is 2**-7 and
 2**-6, so an update must exceed 2**-9 to move a weight at all), a least-squares target a few
@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import fused_adamw
-from mixprec.bf16_true import cast_for_bf16_true, fp32_modules_rule
-from mixprec.optim import SGD, AdamW, bf16_stochastic_round, make_bf16_optimizer
+from mixprec.precision.optim import fused_adamw
+from mixprec.precision.bf16_true import cast_for_bf16_true, fp32_modules_rule
+from mixprec.precision.optim import SGD, AdamW, bf16_stochastic_round, make_bf16_optimizer
 
 # These runs are hundreds of steps on 64 weights: a second intra-op thread only adds waiting,
 # and on a shared 2-core machine that waiting made this file 20x slower.
@@ -418,7 +418,7 @@ def test_auto_mode_compiles_only_large_cpu_buckets(monkeypatch):
 
 
 def test_under_a_sync_or_flop_counting_mode_the_fused_update_gives_way_to_foreach_and_stays_available():
-    from mixprec.bench import count_host_syncs
+    from mixprec.apps.bench import count_host_syncs
 
     def three_steps(fused):
         params = _params()

@@ -1,4 +1,4 @@
-"""``mixprec.outputs``: one rule for where the loss is in what a model returns."""
+"""``mixprec.models``: one rule for where the loss is in what a model returns."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import collections
 import pytest
 import torch
 
-from mixprec.outputs import extract_loss, loss_of
+from mixprec.models import extract_loss, loss_of
 from mixprec.tasks import CausalLMOutput
-from mixprec.trainer import outputs as trainer_outputs
+from mixprec.trainer import evaluation, trainer
 
 LOSS = torch.tensor(1.5)
 
@@ -53,4 +53,4 @@ def test_outputs_without_a_loss_give_none_and_loss_of_says_what_to_return(output
 
 
 def test_the_trainer_reads_the_loss_through_the_same_function():
-    assert trainer_outputs.extract_loss is extract_loss
+    assert trainer.extract_loss is extract_loss and evaluation.extract_loss is extract_loss

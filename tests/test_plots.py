@@ -1,4 +1,4 @@
-"""``mixprec.plots``: readable figures, drawn without touching the user's matplotlib state."""
+"""``mixprec.apps.plots``: readable figures, drawn without touching the user's matplotlib state."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ DRAW_ALL = textwrap.dedent("""
     from pathlib import Path
     import matplotlib
     matplotlib.use("svg")  # the user's own choice of backend
-    from mixprec.plots import plot_gradient_histogram, plot_layer_underflow, plot_loss_curves, plot_loss_scale
-    from mixprec.diagnostics.plots import plot_gradient_histogram as old_path  # the old import path works
+    from mixprec.apps.plots import plot_gradient_histogram, plot_layer_underflow, plot_loss_curves, plot_loss_scale
+    from mixprec.apps.plots import plot_gradient_histogram as old_path  # the old import path works
     out = Path(sys.argv[1])
     entry = {"numel": 10, "unscaled": {"log2_hist": [1, 4, 4, 1], "zero": 0.1},
              "at_scale": {"log2_hist": [0, 5, 4, 1], "zero": 0.0}}
@@ -41,7 +41,7 @@ def test_plots_are_written_as_png_and_leave_the_backend_and_pyplot_alone(tmp_pat
 def test_loss_curves_given_seconds_draw_the_same_runs_against_time_in_a_second_panel(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from mixprec.plots import plot_loss_curves
+    from mixprec.apps.plots import plot_loss_curves
 
     drawn = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, path: drawn.append(fig))

@@ -1,11 +1,11 @@
-"""mixprec.preemption on its own: SIGTERM becomes a flag, and the handler is put back."""
+"""mixprec.distributed.preemption on its own: SIGTERM becomes a flag, and the handler is put back."""
 
 from __future__ import annotations
 
 import os
 import signal
 
-from mixprec.preemption import PREEMPTED_EXIT_CODE, Preemption
+from mixprec.distributed.preemption import PREEMPTED_EXIT_CODE, Preemption
 
 
 def test_a_real_sigterm_sets_the_flag_and_the_previous_handler_comes_back():

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from mixprec import Trainer, TrainingArguments
-from mixprec.run_lock import LOCK_NAME, RunLock
+from mixprec.checkpoint.lock import LOCK_NAME, RunLock
 
 from toys import Classifier, blobs
 

@@ -368,7 +368,7 @@ def test_torch_grad_scaler_private_contract_that_loss_scaler_overrides_still_hol
     where = f"torch {torch.__version__}: GradScaler"
     params = list(inspect.signature(GradScaler._maybe_opt_step).parameters)
     assert params == ["self", "optimizer", "optimizer_state", "args", "kwargs"], \
-        f"{where}._maybe_opt_step's signature changed to {params}; update mixprec.scaler.LossScaler._maybe_opt_step"
+        f"{where}._maybe_opt_step's signature changed to {params}; update mixprec.precision.scaler.LossScaler._maybe_opt_step"
     assert "_maybe_opt_step" in inspect.getsource(GradScaler.step), \
         f"{where}.step no longer calls _maybe_opt_step; LossScaler's host-side found-inf answer is never set"
     assert {s.name for s in OptState} >= {"READY", "UNSCALED", "STEPPED"}, f"{where}'s OptState changed"

@@ -1,11 +1,12 @@
-"""mixprec.wrappers on their own: the precision around forward, and the wrappers' way back out."""
+"""mixprec.accelerator.wrappers on their own: the precision around forward, and the wrappers' way back out."""
 
 from __future__ import annotations
 
 import torch
 
+from mixprec.accelerator.wrappers import patch_forward, unpatch_forward, unwrap
+from mixprec.models import original_forward
 from mixprec.precision import make_plugin
-from mixprec.wrappers import original_forward, patch_forward, unpatch_forward, unwrap
 
 
 def test_a_patched_forward_runs_in_the_plugin_read_at_call_time_and_unpatches_cleanly():

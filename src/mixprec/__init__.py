@@ -4,17 +4,21 @@ Three tiers, each built on the one before: plain PyTorch with :class:`LossScaler
 ``torch.amp.GradScaler``), an :class:`Accelerator`, and a :class:`Trainer`.
 """
 
-from . import diagnostics
-from .accelerator import Accelerator
-from .accelerator_state import DistributedType
-from .checkpoint import CheckpointError, CheckpointNotFoundError
-from .configs import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration
-from .fsdp import FullyShardedDataParallelPlugin
-from .hardware import DeviceCapability, detect_capability
-from .precision import PrecisionPerformanceWarning, PrecisionPolicy, precision_names, resolve_precision
-from .scaler import LossScaleCollapse, LossScaler
-from .tasks import GPT, GPTConfig, Task, get_task, load_factory
-from .trainer import (
+from mixprec import diagnostics
+from mixprec.accelerator import (
+    Accelerator,
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+)
+from mixprec.checkpoint import CheckpointError, CheckpointNotFoundError
+from mixprec.distributed import FullyShardedDataParallelPlugin
+from mixprec.hardware import DeviceCapability, detect_capability
+from mixprec.precision import PrecisionPerformanceWarning, PrecisionPolicy, precision_names, resolve_precision
+from mixprec.precision.scaler import LossScaleCollapse, LossScaler
+from mixprec.tasks import GPT, GPTConfig, Task, get_task, load_factory
+from mixprec.trainer import (
     DefaultFlowCallback,
     EarlyStoppingCallback,
     EvalPrediction,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
 
-from .nested import tree_map
+from mixprec.nested import tree_map
 
 __all__ = ["send_to_device", "collate", "PreparedDataLoader"]
 

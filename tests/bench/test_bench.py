@@ -14,10 +14,10 @@ import warnings
 import pytest
 import torch
 
-import mixprec.bench as bench
-from mixprec.bench import BenchConfig, run_bench
-from mixprec.bench.config import build_job
-from mixprec.bench.rivals import TorchLoopRunner
+import mixprec.apps.bench as bench
+from mixprec.apps.bench import BenchConfig, run_bench
+from mixprec.apps.bench.config import build_job
+from mixprec.apps.bench.rivals import TorchLoopRunner
 from mixprec.cli import main
 from mixprec.cli.bench import format_table
 from mixprec.hardware import detect_capability

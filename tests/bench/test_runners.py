@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from mixprec import TrainerCallback
-from mixprec.bench import BenchConfig
-from mixprec.bench.config import build_job
-from mixprec.bench.runners import MixprecTrainerRunner, StepChunks, mixprec_runner
+from mixprec.apps.bench import BenchConfig
+from mixprec.apps.bench.config import build_job
+from mixprec.apps.bench.runners import MixprecTrainerRunner, StepChunks, mixprec_runner
 
 from toys import LMData
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mixprec.cli import main
-from mixprec.cli.config import ConfigError, load_config, parse_overrides
+from mixprec.cli.run_config import ConfigError, load_config, parse_overrides
 
 from toys import EXAMPLES
 

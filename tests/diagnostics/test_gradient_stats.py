@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mixprec.diagnostics import FORMAT_LIMITS, GradientStats
-from mixprec.scaler import LossScaler
+from mixprec.precision.scaler import LossScaler
 
 LOSS_FACTOR = 1e-7  # makes most gradient values smaller than fp16's flush threshold (2**-25)
 

@@ -52,7 +52,7 @@ READS = {
 
 
 def test_the_counter_is_a_diagnostic_and_the_bench_still_offers_it():
-    import mixprec.bench as bench
+    import mixprec.apps.bench as bench
     import mixprec.diagnostics as diagnostics
 
     for name in ("count_host_syncs", "host_side_tensors", "HostSyncs", "SyncEvent"):
@@ -238,7 +238,7 @@ FOUND_INF_READ = _Read("item", "scaler.py", "found_inf_per_device")  # before a 
 LAST_STEP_READ = _Read("item", "scaler.py", "_last_found_inf.item()")  # last_step_applied
 INPUTS_FINITE_READ = _Read("__bool__", "nonfinite.py", "isfinite")  # a skipped step's inputs, all at once
 COLLAPSE_READ = _Read("item", "scaler.py", "_consecutive.item()")  # the max_consecutive_skips check
-STEP_COUNTER_READ = _Read("item", "optim.py", ".item()")  # the compensated AdamW's CPU step counter
+STEP_COUNTER_READ = _Read("item", "compensated.py", ".item()")  # the compensated AdamW's CPU step counter
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["", "clip"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mixprec import Accelerator, LossScaleCollapse
-from mixprec.bench import count_host_syncs, host_side_tensors
+from mixprec.apps.bench import count_host_syncs, host_side_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
 

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mixprec import Accelerator, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-from mixprec.checkpoint import verify_checkpoint  # noqa: E402
+from mixprec.checkpoint.folder import verify_checkpoint  # noqa: E402
 
 from toys import Classifier, blobs  # noqa: E402
 

@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import mixprec.accelerator  # noqa: E402
+import mixprec.accelerator.accelerator  # noqa: E402
 from mixprec import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from toys import Classifier, blobs  # noqa: E402
@@ -51,7 +51,7 @@ if args.kill_in_save > 0:
             if saves["n"] == args.kill_in_save:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    mixprec.accelerator.torch.save = dying_save
+    mixprec.accelerator.accelerator.torch.save = dying_save
 
 targs = TrainingArguments(output_dir=args.out, precision=args.precision, num_train_epochs=2,
                           per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=3, save_steps=5,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec.bench import BenchConfig
-from mixprec.bench.config import build_job
+from mixprec.apps.bench import BenchConfig
+from mixprec.apps.bench.config import build_job
 from mixprec.tasks import TaskOptionError, check_task, load_task, split_data
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -255,7 +255,7 @@ def test_bf16_true_trains_with_the_compensation_and_moments_the_arguments_name(t
                       train_dataset=blobs(256))
     trainer.train()
     opt = trainer.optimizer.optimizer
-    assert type(opt).__module__ == "mixprec.optim" and opt.defaults["compensation"] == "stochastic"
+    assert type(opt).__module__ == "mixprec.precision.optim.compensated" and opt.defaults["compensation"] == "stochastic"
     state = next(s for p, s in opt.state.items() if p.dtype == torch.bfloat16)
     assert state["exp_avg"].dtype == torch.bfloat16
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]

@@ -1,4 +1,4 @@
-"""``mixprec.trainer.outputs``: evaluation outputs concatenated across batches and read as numpy."""
+"""``mixprec.trainer.evaluation``: evaluation outputs concatenated across batches and read as numpy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import collections
 import numpy as np
 import torch
 
-from mixprec.trainer.outputs import nested_concat, to_numpy
+from mixprec.trainer.evaluation import nested_concat, to_numpy
 
 
 def test_nested_concat_pads_variable_lengths_with_minus_100_inside_any_container():

@@ -8,7 +8,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 
-from . import bench, demo, doctor, env, train
+from mixprec.cli import bench, demo, doctor, env, train
 
 _SUBCOMMANDS = {"demo": demo, "train": train, "bench": bench, "doctor": doctor, "env": env}
 

@@ -1,6 +1,6 @@
 """``mixprec bench``: the same training job under each precision, interleaved in one run.
 
-The measuring is :func:`mixprec.bench.run_bench`'s; this module parses the flags and presents
+The measuring is :func:`mixprec.apps.bench.run_bench`'s; this module parses the flags and presents
 the result: a table on the terminal, ``bench.json`` and ``bench.png`` in the output folder.
 """
 
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..bench import DEFAULT_PRECISIONS, BenchConfig, run_bench
-from ..nested import tree_map
-from ..tasks import DATA_CONTRACT, PYCODE_SIZES, TASKS
+from mixprec.apps.bench import DEFAULT_PRECISIONS, BenchConfig, run_bench
+from mixprec.nested import tree_map
+from mixprec.tasks import DATA_CONTRACT, PYCODE_SIZES, TASKS
 
 __all__ = ["register", "run", "format_table", "plot_result", "write_json"]
 

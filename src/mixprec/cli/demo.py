@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..tasks import TASKS
+from mixprec.tasks import TASKS
 
 EXAMPLES = """Examples:
   mixprec demo                              # ~3 minutes on 2 CPU cores
@@ -51,7 +51,7 @@ class _StepTimer:
     ``seconds`` (step -> training seconds when it ended) for the loss-against-time plot."""
 
     def __new__(cls):
-        from ..trainer import TrainerCallback
+        from mixprec.trainer import TrainerCallback
 
         class Timer(TrainerCallback):
             def __init__(self):
@@ -85,7 +85,7 @@ class _StepTimer:
 
 
 def _task(size: str, train_bytes: int | None, eval_bytes: int | None) -> Any:
-    from ..tasks import get_task
+    from mixprec.tasks import get_task
 
     options = {k: v for k, v in (("max_bytes", train_bytes), ("eval_max_bytes", eval_bytes)) if v}
     return get_task("pycode", size, **options)
@@ -98,11 +98,11 @@ def _train(size: str, data: tuple[int | None, int | None], precision: str, steps
     import statistics
     import warnings
 
-    from ..precision import PrecisionPerformanceWarning
+    from mixprec.precision import PrecisionPerformanceWarning
 
     warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # the parent process said it once already
-    from ..trainer import PrinterCallback, Trainer, TrainingArguments
-    from ..trainer.checkpoints import list_checkpoints
+    from mixprec.trainer import PrinterCallback, Trainer, TrainingArguments
+    from mixprec.trainer.checkpoints import list_checkpoints
 
     task = _task(size, *data)
     targs = TrainingArguments(
@@ -168,9 +168,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..plots import plot_loss_curves, plot_loss_scale
-    from ..precision import resolve_precision
-    from ..tasks import generate_sample
+    from mixprec.apps.plots import plot_loss_curves, plot_loss_scale
+    from mixprec.precision import resolve_precision
+    from mixprec.tasks import generate_sample
 
     if args.steps < 4:
         print("mixprec demo: error: --steps must be at least 4", file=sys.stderr)
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         plots.append(plot_loss_scale(mixed["scale_history"], out / "loss_scale.png"))
     import safetensors.torch
 
-    from ..accelerator import Accelerator
+    from mixprec.accelerator.accelerator import Accelerator
 
     model = Accelerator(mixed_precision=policy.name).prepare(task.build_model())
     safetensors.torch.load_model(model, str(Path(mixed["checkpoint"]) / "model_0.safetensors"))

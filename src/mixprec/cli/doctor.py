@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from mixprec.cli.run_config import ConfigError, load_config
 
 EXAMPLES = """Examples:
   mixprec doctor --task pycode --size tiny
@@ -32,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
-    from ..doctor import DoctorConfig, run_doctor
-    from .train import build_task
+    from mixprec.apps.doctor import DoctorConfig, run_doctor
+    from mixprec.cli.train import build_task
 
     try:
         cfg = load_config(args.config, overrides or [])
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     try:
         report = run_doctor(task.build_model, task.train_dataset, out, collate=task.collate_fn, config=doctor,
                             task_name=task.name)
-    except ValueError as e:  # e.g. a model that returns no loss (mixprec.outputs.loss_of says what it must return)
+    except ValueError as e:  # e.g. a model that returns no loss (mixprec.models.loss_of says what it must return)
         print(f"mixprec doctor: error: {e}", file=sys.stderr)
         return 2
     rec = report["recommendation"]

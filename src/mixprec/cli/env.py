@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..hardware import environment_report
+from mixprec.hardware import environment_report
 
 _PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16-true")
 

@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..preemption import PREEMPTED_EXIT_CODE
-from ..tasks import Task
-from ..trainer import Trainer, TrainerCallback
-from ..trainer.checkpoints import list_checkpoints
-from .config import ConfigError, RunConfig, TaskConfig, load_config
+from mixprec.cli.run_config import ConfigError, RunConfig, TaskConfig, load_config
+from mixprec.distributed.preemption import PREEMPTED_EXIT_CODE
+from mixprec.tasks import Task
+from mixprec.trainer import Trainer, TrainerCallback
+from mixprec.trainer.checkpoints import list_checkpoints
 
 EXAMPLES = """Examples:
   mixprec train examples/pycode-tiny.toml
@@ -49,7 +49,7 @@ def build_task(task: TaskConfig | Mapping[str, Any]) -> Task:
     """The :class:`~mixprec.tasks.Task` a ``[task]`` table names (built-in, or the user's factories).
 
     Args:
-        task: A :class:`~mixprec.cli.config.TaskConfig`, or a ``[task]`` table as a dict.
+        task: A :class:`~mixprec.cli.run_config.TaskConfig`, or a ``[task]`` table as a dict.
 
     Raises:
         ConfigError: when the table is wrong, or a user factory cannot be imported or its data

@@ -12,16 +12,16 @@
 
 Nothing here changes a gradient, an activation, a parameter or an RNG stream, and nothing
 syncs the host with the device except the methods whose docstrings say so. Nothing here imports
-the Accelerator or the Trainer: :mod:`mixprec.doctor`, which trains probe runs with these
+the Accelerator or the Trainer: :mod:`mixprec.apps.doctor`, which trains probe runs with these
 instruments on, sits above them.
 """
 
-from .drift import precision_drift
-from .gradient_stats import GradientStats
-from .limits import FORMAT_LIMITS, FormatLimits, format_limits
-from .monitor import DiagnosticsConfig, Monitor
-from .syncs import HostSyncs, SyncEvent, count_host_syncs, host_side_tensors
-from .tracer import OverflowTracer, TraceEvent
+from mixprec.diagnostics.drift import precision_drift
+from mixprec.diagnostics.gradient_stats import GradientStats
+from mixprec.diagnostics.limits import FORMAT_LIMITS, FormatLimits, format_limits
+from mixprec.diagnostics.monitor import DiagnosticsConfig, Monitor
+from mixprec.diagnostics.syncs import HostSyncs, SyncEvent, count_host_syncs, host_side_tensors
+from mixprec.diagnostics.tracer import OverflowTracer, TraceEvent
 
 __all__ = [
     "DiagnosticsConfig",

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from .limits import FORMAT_LIMITS
+from mixprec.diagnostics.limits import FORMAT_LIMITS
 
 # The classes of one format, in the order of the columns of the decoding matrix.
 ZERO, FLUSH, SUBNORMAL, NORMAL, OVERFLOW, NAN = range(6)

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ..nested import tree_map
-from ..outputs import extract_loss
+from mixprec.models import extract_loss
+from mixprec.nested import tree_map
 
 __all__ = ["precision_drift"]
 
@@ -117,7 +117,7 @@ def _enter(autocast: Any) -> contextlib.AbstractContextManager:
 
 def _loss_tensor(out: Any) -> torch.Tensor:
     """The loss in ``out`` as a 0-d float32 tensor: a number, a one-element tensor, or a model
-    output holding one (found as everywhere else, by :func:`mixprec.outputs.extract_loss`)."""
+    output holding one (found as everywhere else, by :func:`mixprec.models.extract_loss`)."""
     loss = out if isinstance(out, (torch.Tensor, int, float)) else extract_loss(out)
     if isinstance(loss, (int, float)) and not isinstance(loss, bool):
         return torch.tensor(float(loss))

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ._binning import FORMAT_CLASSES, FORMATS, Binning, build_table, count, fine_classes
+from mixprec.diagnostics._binning import FORMAT_CLASSES, FORMATS, Binning, build_table, count, fine_classes
 
 __all__ = ["GradientStats"]
 

@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .gradient_stats import GradientStats
-from .tracer import OverflowTracer
+from mixprec.diagnostics.gradient_stats import GradientStats
+from mixprec.diagnostics.tracer import OverflowTracer
 
 __all__ = ["DiagnosticsCallback"]
 

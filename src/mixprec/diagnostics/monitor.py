@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .gradient_stats import GradientStats
-from .tracer import OverflowTracer, TraceEvent
+from mixprec.diagnostics.gradient_stats import GradientStats
+from mixprec.diagnostics.tracer import OverflowTracer, TraceEvent
 
 __all__ = ["DiagnosticsConfig", "Monitor"]
 

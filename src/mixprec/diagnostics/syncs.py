@@ -281,7 +281,7 @@ def count_host_syncs(device: torch.device | str, *, ignore: Iterable[torch.Tenso
 def host_side_tensors(optimizer: Any) -> list[torch.Tensor]:
     """The tensors an optimizer keeps on the host by design and reads every step: the CPU
     ``state[p]["step"]`` counters of torch's (non-fused, non-capturable) optimizers and of
-    :mod:`mixprec.optim`'s.
+    :mod:`mixprec.precision.optim`'s.
 
     Wrapped optimizers (an Accelerator's prepared optimizer, anything with ``.optimizer``) are
     unwrapped. The counters are made by the first ``step()``: call this after it.

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..nested import tree_leaves
+from mixprec.nested import tree_leaves
 
 __all__ = ["OverflowTracer", "TraceEvent"]
 

@@ -5,11 +5,11 @@
 ``mixed`` (fp16/bf16 autocast and the loss scaler's lifecycle) and ``bf16_true``.
 """
 
-from .base import PrecisionPlugin, PrecisionPolicy
-from .bf16_true import BF16TrueConfig, BF16TruePrecision, GuardedBF16TruePrecision
-from .fp32 import FP32Precision
-from .mixed import MixedPrecision
-from .names import (
+from mixprec.precision.base import PrecisionPlugin, PrecisionPolicy
+from mixprec.precision.bf16_true import BF16TrueConfig, BF16TruePrecision, GuardedBF16TruePrecision
+from mixprec.precision.fp32 import FP32Precision
+from mixprec.precision.mixed import MixedPrecision
+from mixprec.precision.names import (
     CANONICAL_PRECISIONS,
     PrecisionPerformanceWarning,
     canonical_precision,

@@ -53,7 +53,7 @@ class PrecisionPolicy:
     reason: str = ""
 
     def __post_init__(self) -> None:
-        from .names import check_concrete  # the names table knows which names exist
+        from mixprec.precision.names import check_concrete  # the names table knows which names exist
 
         check_concrete(self.name)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import PrecisionPlugin
+from mixprec.precision.base import PrecisionPlugin
 
 __all__ = ["FP32Precision"]
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..scaler import LossScaler
-from .base import PrecisionPlugin, PrecisionPolicy
+from mixprec.precision.base import PrecisionPlugin, PrecisionPolicy
+from mixprec.precision.scaler import LossScaler
 
 __all__ = ["MixedPrecision"]
 

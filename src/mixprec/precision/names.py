@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from ..hardware import choose_auto, detect_capability
-from .base import PrecisionPlugin, PrecisionPolicy
-from .bf16_true import BF16TruePrecision, GuardedBF16TruePrecision
-from .fp32 import FP32Precision
-from .mixed import MixedPrecision
+from mixprec.hardware import choose_auto, detect_capability
+from mixprec.precision.base import PrecisionPlugin, PrecisionPolicy
+from mixprec.precision.bf16_true import BF16TruePrecision, GuardedBF16TruePrecision
+from mixprec.precision.fp32 import FP32Precision
+from mixprec.precision.mixed import MixedPrecision
 
 __all__ = [
     "PrecisionPerformanceWarning",

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mixprec.data import collate
-from mixprec.tasks._output import CausalLMOutput, ClassifierOutput, ModelOutput
+from mixprec.models import CausalLMOutput, ClassifierOutput, ModelOutput
 from mixprec.tasks.digits import DIGITS_ARCHS, DigitsCNN, DigitsDataset, DigitsMLP, accuracy, digits_task
 from mixprec.tasks.factory import load_factory, parse_spec
 from mixprec.tasks.gpt import GPT, GPTConfig

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.data import collate
-from mixprec.tasks._output import ClassifierOutput
+from mixprec.models import ClassifierOutput
 from mixprec.tasks.task import Task
 
 __all__ = ["NUM_CLASSES", "DIGITS_ARCHS", "load_digits_split", "DigitsDataset", "DigitsMLP", "DigitsCNN", "accuracy",

@@ -3,7 +3,7 @@
 The model follows the Hugging Face calling convention so that any training loop written for
 ``transformers`` models runs it: ``model(input_ids, labels=input_ids)`` shifts the labels inside
 (token ``t + 1`` is predicted from tokens ``<= t``), ignores label ``-100`` and returns a
-:class:`~mixprec.tasks._output.CausalLMOutput`.
+:class:`~mixprec.models.CausalLMOutput`.
 
 Mixed precision: the loss is computed from ``logits.float()``, so it is float32 whether the model
 runs in fp32, under bf16/fp16 autocast, or with its parameters cast to bf16 (bf16-true).
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.tasks._output import CausalLMOutput
+from mixprec.models import CausalLMOutput
 
 __all__ = ["GPTConfig", "GPT"]
 

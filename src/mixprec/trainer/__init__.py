@@ -1,17 +1,17 @@
 """The Trainer tier: TrainingArguments, Trainer, callbacks."""
 
-from .args import TrainingArguments
-from .callbacks import (
+from mixprec.trainer.args import TrainingArguments
+from mixprec.trainer.callbacks import (
     DefaultFlowCallback,
     EarlyStoppingCallback,
     TrainerCallback,
     TrainerControl,
     TrainerState,
 )
-from .reporters import PrinterCallback, ProgressCallback
-from .schedules import get_scheduler
-from .trainer import EvalPrediction, PredictionOutput, Trainer, TrainOutput, set_seed
-from .trainer_state import ExportableState
+from mixprec.trainer.reporters import PrinterCallback, ProgressCallback
+from mixprec.trainer.schedules import get_scheduler
+from mixprec.trainer.trainer import EvalPrediction, PredictionOutput, Trainer, TrainOutput, set_seed
+from mixprec.trainer.trainer_state import ExportableState
 
 __all__ = [
     "DefaultFlowCallback",

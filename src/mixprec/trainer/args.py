@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..hardware import default_device
-from ..precision import BF16TrueConfig, canonical_precision
+from mixprec.hardware import default_device
+from mixprec.precision import BF16TrueConfig, canonical_precision
 
 __all__ = ["TrainingArguments"]
 
@@ -267,7 +267,7 @@ class TrainingArguments:
         """The :class:`~mixprec.FullyShardedDataParallelPlugin` that ``fsdp`` / ``fsdp_config`` ask for
         (``None`` without sharding): ``fsdp="full_shard"`` (or ``"shard_grad_op"``) with
         Hugging Face's ``fsdp_config`` keys (``transformer_layer_cls_to_wrap``, ...)."""
-        from ..fsdp import plugin_from_training_args
+        from mixprec.distributed.fsdp import plugin_from_training_args
 
         return plugin_from_training_args(self.fsdp, self.fsdp_config)
 

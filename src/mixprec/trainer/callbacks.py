@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from .trainer_state import ExportableState, TrainerControl, TrainerState
+from mixprec.trainer.trainer_state import ExportableState, TrainerControl, TrainerState
 
 __all__ = [
     "TrainerState",  # re-exported from trainer_state

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import MANIFEST, commit_checkpoint, is_complete_checkpoint
+from mixprec.checkpoint.folder import MANIFEST, commit_checkpoint, is_complete_checkpoint
 
 __all__ = ["list_checkpoints", "rotate_checkpoints", "checkpoint_to_resume", "write_trainer_checkpoint",
            "weights_file"]

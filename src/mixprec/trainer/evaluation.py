@@ -7,10 +7,11 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
-from ..nested import tree_leaves, tree_map
-from .outputs import call_model, extract_logits, extract_loss, nested_concat, to_numpy
+from mixprec.models import call_model, extract_logits, extract_loss
+from mixprec.nested import tree_leaves, tree_map
 
 __all__ = ["EvalPrediction", "EvaluationAPI", "PredictionOutput", "evaluation_loop", "predict_batch"]
 
@@ -190,3 +191,32 @@ class EvaluationAPI:
             dtype = torch.float16 if self.args.fp16_full_eval else torch.bfloat16
             return torch.autocast(self.accelerator.device.type, dtype=dtype)
         return contextlib.nullcontext()
+
+
+def _pad_cat(parts: list[torch.Tensor], pad: int = -100) -> torch.Tensor:
+    if all(p.shape[1:] == parts[0].shape[1:] for p in parts):
+        return torch.cat(parts)
+    # Variable sequence lengths across batches: pad as Hugging Face does, with -100.
+    dims = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+    out = parts[0].new_full((sum(len(p) for p in parts), *dims), pad)
+    row = 0
+    for p in parts:
+        out[(slice(row, row + len(p)), *[slice(0, s) for s in p.shape[1:]])] = p
+        row += len(p)
+    return out
+
+
+def nested_concat(parts: list[Any]) -> Any:
+    """Concatenate per-batch tensors (or containers of them, all of one structure) along dim 0."""
+    return tree_map(lambda *xs: _pad_cat(list(xs)), parts[0], *parts[1:])
+
+
+def _numpy(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return np.asarray(x)
+    return (x.float() if x.is_floating_point() and x.dtype != torch.float64 else x).numpy()
+
+
+def to_numpy(x: Any) -> Any:
+    """Tensors (or containers of them) as numpy arrays; bf16/fp16 become float32."""
+    return tree_map(_numpy, x)

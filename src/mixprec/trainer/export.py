@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from .callbacks import log
-from .reporters import format_metrics, print_metrics, write_metrics
+from mixprec.trainer.callbacks import log
+from mixprec.trainer.reporters import format_metrics, print_metrics, write_metrics
 
 __all__ = ["ExportAPI"]
 

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .callbacks import TrainerCallback
-from .nonfinite import describe_steps
+from mixprec.trainer.callbacks import TrainerCallback
+from mixprec.trainer.nonfinite import describe_steps
 
 __all__ = ["ProgressCallback", "PrinterCallback", "JsonlLoggerCallback", "TensorBoardCallback", "format_metrics",
            "print_metrics", "write_metrics"]

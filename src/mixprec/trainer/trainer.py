@@ -21,16 +21,16 @@ import safetensors.torch
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from .. import distributed as D
-from ..accelerator import Accelerator
-from ..configs import DataLoaderConfiguration
-from ..diagnostics import precision_drift
-from ..diagnostics.monitor import DiagnosticsConfig
-from ..preemption import PREEMPTED_EXIT_CODE, Preemption
-from ..run_lock import RunLock
-from ..wrappers import original_forward
-from .args import TrainingArguments
-from .callbacks import (
+from mixprec.accelerator.accelerator import Accelerator
+from mixprec.accelerator.configs import DataLoaderConfiguration
+from mixprec.checkpoint.lock import RunLock
+from mixprec.diagnostics import precision_drift
+from mixprec.diagnostics.monitor import DiagnosticsConfig
+from mixprec.distributed import groups as D
+from mixprec.distributed.preemption import PREEMPTED_EXIT_CODE, Preemption
+from mixprec.models import call_model, extract_loss, original_forward
+from mixprec.trainer.args import TrainingArguments
+from mixprec.trainer.callbacks import (
     CallbackHandler,
     DefaultFlowCallback,
     TrainerCallback,
@@ -38,27 +38,26 @@ from .callbacks import (
     log,
     restore_states,
 )
-from .checkpoints import (
+from mixprec.trainer.checkpoints import (
     checkpoint_to_resume,
     list_checkpoints,
     rotate_checkpoints,
     weights_file,
     write_trainer_checkpoint,
 )
-from .data import collate, model_input_names, prepare_dataset
-from .evaluation import EvalPrediction, EvaluationAPI, PredictionOutput
-from .export import ExportAPI
-from .nonfinite import SkipRecorder, find_nonfinite_inputs
-from .outputs import call_model, extract_loss
-from .reporters import (
+from mixprec.trainer.datasets import collate, model_input_names, prepare_dataset
+from mixprec.trainer.evaluation import EvalPrediction, EvaluationAPI, PredictionOutput
+from mixprec.trainer.export import ExportAPI
+from mixprec.trainer.nonfinite import SkipRecorder, find_nonfinite_inputs
+from mixprec.trainer.reporters import (
     JsonlLoggerCallback,
     PrinterCallback,
     ProgressCallback,
     TensorBoardCallback,
     trim_logs_after,
 )
-from .schedules import build_optimizer, get_scheduler
-from .trainer_state import TrainerControl, TrainerState, export_states
+from mixprec.trainer.schedules import build_optimizer, get_scheduler
+from mixprec.trainer.trainer_state import TrainerControl, TrainerState, export_states
 
 __all__ = ["Trainer", "TrainOutput", "EvalPrediction", "PredictionOutput", "set_seed"]
 
@@ -108,7 +107,7 @@ class Trainer(EvaluationAPI, ExportAPI):
 
     A SIGTERM during ``train()`` (a scheduler's preemption) stops every process after the current
     optimizer step, writes a checkpoint, logs one line and exits with status 75
-    (``mixprec.preemption.PREEMPTED_EXIT_CODE``); ``resume_from_checkpoint=True`` continues bit for bit.
+    (``mixprec.distributed.preemption.PREEMPTED_EXIT_CODE``); ``resume_from_checkpoint=True`` continues bit for bit.
     """
 
     _preemption: Preemption | None = None

@@ -17,12 +17,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from . import distributed as D
-from .audit import recording_ddp_hook
-from .data import PreparedDataLoader
-from .diagnostics.monitor import Monitor
-from .fsdp import shard_model
-from .wrappers import AcceleratedOptimizer, AcceleratedScheduler, patch_forward
+from mixprec.accelerator.audit import recording_ddp_hook
+from mixprec.accelerator.wrappers import AcceleratedOptimizer, AcceleratedScheduler, patch_forward
+from mixprec.data import PreparedDataLoader
+from mixprec.diagnostics.monitor import Monitor
+from mixprec.distributed import groups as D
+from mixprec.distributed.fsdp import shard_model
 
 __all__ = ["PrepareAPI"]
 

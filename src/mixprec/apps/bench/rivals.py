@@ -16,12 +16,8 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
-from ..data import send_to_device
-from ..outputs import loss_of
-from ..precision import policy_for
-from ..trainer.outputs import call_model
-from .config import BenchConfig, Job
-from .runners import (
+from mixprec.apps.bench.config import BenchConfig, Job
+from mixprec.apps.bench.runners import (
     COUNTING_STEPS,
     LoopRunner,
     MixprecTrainerRunner,
@@ -30,6 +26,9 @@ from .runners import (
     describe_optimizer,
     steps_to_train,
 )
+from mixprec.data import send_to_device
+from mixprec.models import call_model, loss_of
+from mixprec.precision import policy_for
 
 __all__ = ["TorchLoopRunner", "HFTrainerRunner", "accelerate_runner", "compare_precision", "hf_missing",
            "reset_hf_state", "RIVALS", "RIVAL_FACTORIES"]

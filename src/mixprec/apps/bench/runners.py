@@ -14,13 +14,12 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
-from ..accelerator import Accelerator
-from ..diagnostics.syncs import count_host_syncs, host_side_tensors
-from ..outputs import loss_of
-from ..trainer import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
-from ..trainer.outputs import call_model
-from .config import BenchConfig, Job
-from .measure import CPU_SDPA_FLOPS, Clock
+from mixprec.accelerator.accelerator import Accelerator
+from mixprec.apps.bench.config import BenchConfig, Job
+from mixprec.apps.bench.measure import CPU_SDPA_FLOPS, Clock
+from mixprec.diagnostics.syncs import count_host_syncs, host_side_tensors
+from mixprec.models import call_model, loss_of
+from mixprec.trainer import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
 __all__ = ["Runner", "LoopRunner", "MixprecTrainerRunner", "StepChunks", "StepWindow", "mixprec_runner",
            "adamw", "describe_optimizer", "steps_to_train", "COUNTING_STEPS"]

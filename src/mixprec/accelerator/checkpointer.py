@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
-from .fsdp import full_state_dict, is_sharded
-from .state import (
+from mixprec.accelerator.state_files import (
     load_accelerator_state,
     resolve_load_dir,
     resolve_save_dir,
     save_accelerator_state,
     save_model_weights,
 )
-from .wrappers import unpatch_forward, unwrap, unwrap_keeping_compile
+from mixprec.accelerator.wrappers import unpatch_forward, unwrap, unwrap_keeping_compile
+from mixprec.distributed.fsdp import full_state_dict, is_sharded
 
 __all__ = ["CheckpointAPI"]
 

@@ -16,32 +16,37 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from . import distributed as D
-from .accelerator_checkpoints import CheckpointAPI
-from .accelerator_prepare import PrepareAPI
-from .accelerator_state import AcceleratorState, DistributedType, GradientState
-from .audit import PrecisionAudit, PrecisionReport
-from .configs import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, coerce_config
-from .data import PreparedDataLoader
-from .diagnostics.monitor import DiagnosticsConfig, Monitor
-from .fallback import fallback_target, log_fallback
-from .fsdp import FullyShardedDataParallelPlugin, is_sharded
-from .hardware import default_device
-from .nested import tree_map
-from .precision import BF16TrueConfig, PrecisionPlugin, PrecisionPolicy, make_plugin, resolve_precision
-from .preemption import Preemption
-from .process_api import ProcessAPI
-from .scaler import LossScaleCollapse, LossScaler
-from .state import (
+from mixprec.accelerator.audit import PrecisionAudit, PrecisionReport
+from mixprec.accelerator.checkpointer import CheckpointAPI
+from mixprec.accelerator.configs import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    coerce_config,
+)
+from mixprec.accelerator.prepare import PrepareAPI
+from mixprec.accelerator.processes import ProcessAPI
+from mixprec.accelerator.state import AcceleratorState, DistributedType, GradientState
+from mixprec.accelerator.state_files import (
     PreparedObjects,
     StateHooks,
 )
-from .wrappers import (
+from mixprec.accelerator.wrappers import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
     OptimizerHooks,
     unwrap,
 )
+from mixprec.data import PreparedDataLoader
+from mixprec.diagnostics.monitor import DiagnosticsConfig, Monitor
+from mixprec.distributed import groups as D
+from mixprec.distributed.fsdp import FullyShardedDataParallelPlugin, is_sharded
+from mixprec.distributed.preemption import Preemption
+from mixprec.hardware import default_device
+from mixprec.nested import tree_map
+from mixprec.precision import BF16TrueConfig, PrecisionPlugin, PrecisionPolicy, make_plugin, resolve_precision
+from mixprec.precision.fallback import fallback_target, log_fallback
+from mixprec.precision.scaler import LossScaleCollapse, LossScaler
 
 __all__ = ["Accelerator"]
 

@@ -37,9 +37,9 @@ try:
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from ..precision import canonical_precision
-from ..tasks import TASKS, Task, TaskOptionError, check_task, load_task
-from ..trainer.args import TrainingArguments
+from mixprec.precision import canonical_precision
+from mixprec.tasks import TASKS, Task, TaskOptionError, check_task, load_task
+from mixprec.trainer.args import TrainingArguments
 
 __all__ = ["ConfigError", "RunConfig", "TaskConfig", "load_config", "parse_overrides", "flag_names"]
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ..optim import COMPENSATIONS
-from ..precision import BF16TrueConfig, canonical_precision
-from ..tasks import PYCODE_SIZES, TASKS, Task, TaskEntry, load_task
+from mixprec.precision import BF16TrueConfig, canonical_precision
+from mixprec.precision.optim import COMPENSATIONS
+from mixprec.tasks import PYCODE_SIZES, TASKS, Task, TaskEntry, load_task
 
 __all__ = ["BenchConfig", "DEFAULT_PRECISIONS", "COMPARE_NAMES"]
 
@@ -185,7 +185,7 @@ class Job(Task):
             fields.update(eval_dataset=task.train_dataset,
                           description=task.description + " (eval loss on the training data)")
         if task.collate_fn is None:
-            from ..trainer.data import collate, prepare_dataset
+            from mixprec.trainer.datasets import collate, prepare_dataset
 
             probe = task.build_model()
             # Whole batches by tensor indexing where the data allows it (the Trainer's batched fetch).

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import fused_adamw
+from mixprec.precision.optim import fused_adamw
 
 __all__ = ["AdamW", "SGD", "make_bf16_optimizer", "bf16_stochastic_round", "COMPENSATIONS", "OPTIMIZER_NAMES",
            "STATE_DTYPE_NAMES"]
@@ -286,7 +286,7 @@ class AdamW(_CompensatedOptimizer):
         generator: random bits for ``"stochastic"``, on the parameters' device (saved in the
             state dict); ``None`` uses torch's default generator.
         fused: the update of bf16/fp16 weights as one compiled kernel per parameter
-            (:mod:`mixprec.fused_adamw`: weight, gradient, moments and compensation read and
+            (:mod:`mixprec.precision.optim.fused_adamw`: weight, gradient, moments and compensation read and
             written once) instead of ``torch._foreach_*`` ops. ``None`` (default) picks it on the
             CPU for buckets of at least 4M elements and, if compiling fails, falls back to the
             foreach update for this optimizer only, with a warning (``fused_failure`` then says
@@ -365,7 +365,7 @@ class AdamW(_CompensatedOptimizer):
                                    [s["exp_avg_sq"] for s in state], comps, hypers, seeds, required=bool(self.fused))
         if failure is not None:
             self.fused_failure = failure
-            warnings.warn("mixprec.optim.AdamW: compiling the fused bf16 update failed, so this optimizer uses the "
+            warnings.warn("mixprec.precision.optim.AdamW: compiling the fused bf16 update failed, so this optimizer uses the "
                           "foreach update from now on (other optimizers still try the fused one; fused=False skips "
                           f"it): {failure.splitlines()[0][:200]}", RuntimeWarning, stacklevel=4)
             for p in fresh:  # leave the state as the foreach update expects to find it

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .bf16_true import fp32_modules_rule
+from mixprec.precision.bf16_true import fp32_modules_rule
 
 __all__ = ["CONTRACT", "PrecisionAudit", "PrecisionReport", "expected_dtypes", "recording_ddp_hook"]
 

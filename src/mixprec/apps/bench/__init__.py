@@ -30,13 +30,15 @@ The host-sync counter of the ``syncs`` column is a diagnostic: :func:`mixprec.di
 
 from __future__ import annotations
 
-from ..diagnostics.syncs import HostSyncs, SyncEvent, count_host_syncs, host_side_tensors
-from .config import COMPARE_NAMES, DEFAULT_PRECISIONS, BenchConfig
-from .core import add_ratios as add_ratios
-from .core import drift_note as drift_note
-from .core import run_bench
-from .memory import memory_probe_main as memory_probe_main  # run by the CPU memory probe's subprocess
-from .memory import tensor_peak_bytes as tensor_peak_bytes
+from mixprec.apps.bench.config import COMPARE_NAMES, DEFAULT_PRECISIONS, BenchConfig
+from mixprec.apps.bench.core import add_ratios as add_ratios
+from mixprec.apps.bench.core import drift_note as drift_note
+from mixprec.apps.bench.core import run_bench
+from mixprec.apps.bench.memory import (
+           memory_probe_main as memory_probe_main,  # run by the CPU memory probe's subprocess
+)
+from mixprec.apps.bench.memory import tensor_peak_bytes as tensor_peak_bytes
+from mixprec.diagnostics.syncs import HostSyncs, SyncEvent, count_host_syncs, host_side_tensors
 
 __all__ = ["BenchConfig", "run_bench", "DEFAULT_PRECISIONS", "COMPARE_NAMES",
            "count_host_syncs", "host_side_tensors", "HostSyncs", "SyncEvent"]

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from ..data import collate
-from ..wrappers import original_forward
+from mixprec.data import collate
+from mixprec.models import original_forward
 
 __all__ = ["prepare_dataset", "model_input_names", "collate"]  # collate: re-exported from mixprec.data
 

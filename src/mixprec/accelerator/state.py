@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .process_api import ProcessAPI
+from mixprec.accelerator.processes import ProcessAPI
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState"]
 

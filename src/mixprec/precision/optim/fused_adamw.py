@@ -1,4 +1,4 @@
-"""One generated kernel per parameter for :class:`mixprec.optim.AdamW` on bf16/fp16 weights.
+"""One generated kernel per parameter for :class:`mixprec.precision.optim.AdamW` on bf16/fp16 weights.
 
 The foreach update reads and writes every parameter-sized tensor about twenty times per step
 (each ``torch._foreach_*`` op is its own loop on the CPU, and the fp32 copies of the weights go

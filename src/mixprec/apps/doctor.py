@@ -21,12 +21,11 @@ from typing import Any
 
 import torch
 
-from .accelerator import Accelerator
-from .diagnostics import FORMAT_LIMITS, DiagnosticsConfig, GradientStats
-from .hardware import detect_capability
-from .outputs import loss_of
-from .precision import PrecisionPerformanceWarning
-from .trainer.outputs import call_model
+from mixprec.accelerator.accelerator import Accelerator
+from mixprec.diagnostics import FORMAT_LIMITS, DiagnosticsConfig, GradientStats
+from mixprec.hardware import detect_capability
+from mixprec.models import call_model, loss_of
+from mixprec.precision import PrecisionPerformanceWarning
 
 __all__ = ["DoctorConfig", "run_doctor", "recommend"]
 
@@ -183,8 +182,8 @@ def run_doctor(build_model: Callable[[], torch.nn.Module], dataset: Any, out: st
         >>> t = get_task("pycode", "tiny")  # doctest: +SKIP
         >>> run_doctor(t.build_model, t.train_dataset, "doctor", collate=t.collate_fn)["recommendation"]  # doctest: +SKIP
     """
-    from .plots import plot_gradient_histogram, plot_layer_underflow, plot_loss_scale
-    from .trainer.data import collate as default_collate
+    from mixprec.apps.plots import plot_gradient_histogram, plot_layer_underflow, plot_loss_scale
+    from mixprec.trainer.datasets import collate as default_collate
 
     cfg = config or DoctorConfig()
     out = Path(out)

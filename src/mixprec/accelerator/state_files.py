@@ -1,6 +1,6 @@
 """The prepared objects of one run, and what ``Accelerator.save_state`` writes of them.
 
-One folder per checkpoint, written atomically by :mod:`mixprec.checkpoint`: model weights as
+One folder per checkpoint, written atomically by :mod:`mixprec.checkpoint.folder`: model weights as
 safetensors, every other state with ``torch.save`` (read back with ``weights_only=True``), one
 RNG file per process, the precision plugin's state (the loss scaler's) and the run's counters
 and precision (a precision fallback survives a resume).
@@ -26,12 +26,12 @@ import safetensors.torch
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint as ckpt
-from . import distributed as D
-from .configs import ProjectConfiguration
-from .fsdp import load_sharded, save_sharded
-from .nested import tree_leaves
-from .wrappers import unwrap
+from mixprec.accelerator.configs import ProjectConfiguration
+from mixprec.accelerator.wrappers import unwrap
+from mixprec.checkpoint import folder as ckpt
+from mixprec.distributed import groups as D
+from mixprec.distributed.fsdp import load_sharded, save_sharded
+from mixprec.nested import tree_leaves
 
 __all__ = ["PendingSave", "PreparedObjects", "StateHooks", "load_accelerator_state", "resolve_load_dir", "resolve_save_dir",
            "save_accelerator_state", "save_model_weights"]

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ..precision import PrecisionPerformanceWarning
-from .config import BenchConfig, build_job
-from .runners import mixprec_runner
+from mixprec.apps.bench.config import BenchConfig, build_job
+from mixprec.apps.bench.runners import mixprec_runner
+from mixprec.precision import PrecisionPerformanceWarning
 
 
 # -- memory -------------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def cpu_peak_memory(config: BenchConfig, row: dict[str, Any]) -> tuple[int | Non
                           "compensation": row.get("compensation")})
     # The same imports as here (a user's factory module found through sys.path included).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    code = "from mixprec.bench import memory_probe_main; memory_probe_main()"
+    code = "from mixprec.apps.bench import memory_probe_main; memory_probe_main()"
     try:
         proc = subprocess.run([sys.executable, "-c", code], input=request, capture_output=True, text=True,
                               env=env, timeout=1800)

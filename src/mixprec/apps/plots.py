@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .diagnostics.limits import FORMAT_LIMITS
+from mixprec.diagnostics.limits import FORMAT_LIMITS
 
 __all__ = ["plot_loss_curves", "plot_loss_scale", "plot_gradient_histogram", "plot_layer_underflow"]
 

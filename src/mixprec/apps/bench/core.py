@@ -14,16 +14,22 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ..data import send_to_device
-from ..hardware import default_device, detect_capability
-from ..outputs import loss_of
-from ..precision import PrecisionPerformanceWarning, policy_for
-from ..trainer.outputs import call_model
-from .config import DEFAULT_PRECISIONS, BenchConfig, Job, build_job, tokens_per_sample
-from .measure import dtype_name, matmul_peak, profile_step
-from .memory import measure_memory
-from .rivals import RIVAL_FACTORIES, RIVALS, HFTrainerRunner, compare_precision, hf_missing, reset_hf_state
-from .runners import Runner, mixprec_runner
+from mixprec.apps.bench.config import DEFAULT_PRECISIONS, BenchConfig, Job, build_job, tokens_per_sample
+from mixprec.apps.bench.measure import dtype_name, matmul_peak, profile_step
+from mixprec.apps.bench.memory import measure_memory
+from mixprec.apps.bench.rivals import (
+    RIVAL_FACTORIES,
+    RIVALS,
+    HFTrainerRunner,
+    compare_precision,
+    hf_missing,
+    reset_hf_state,
+)
+from mixprec.apps.bench.runners import Runner, mixprec_runner
+from mixprec.data import send_to_device
+from mixprec.hardware import default_device, detect_capability
+from mixprec.models import call_model, loss_of
+from mixprec.precision import PrecisionPerformanceWarning, policy_for
 
 __all__ = ["run_bench"]
 

@@ -6,8 +6,8 @@ import logging
 
 import torch
 
-from .hardware import detect_capability
-from .precision import PrecisionPlugin
+from mixprec.hardware import detect_capability
+from mixprec.precision import PrecisionPlugin
 
 __all__ = ["fallback_target", "log_fallback"]
 

@@ -13,12 +13,13 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .precision import PrecisionPlugin
+from mixprec.models import ORIGINAL_FORWARD
+from mixprec.precision import PrecisionPlugin
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "OptimizerHooks", "patch_forward", "unpatch_forward",
-           "original_forward", "unwrap", "unwrap_keeping_compile"]
+           "unwrap", "unwrap_keeping_compile"]
 
-_ORIGINAL = "_mixprec_original_forward"
+_ORIGINAL = ORIGINAL_FORWARD  # models.original_forward reads it
 _PRECISION = "_mixprec_precision"  # a function returning the owner's current plugin
 
 
@@ -58,11 +59,6 @@ def unpatch_forward(model: torch.nn.Module) -> torch.nn.Module:
         delattr(model, _ORIGINAL)
         delattr(model, _PRECISION)
     return model
-
-
-def original_forward(model: torch.nn.Module) -> Callable[..., Any]:
-    """``model``'s own forward, without the precision around it (its ``forward`` if unpatched)."""
-    return getattr(model, _ORIGINAL, model.forward)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

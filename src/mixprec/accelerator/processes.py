@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import distributed as D
+from mixprec.distributed import groups as D
 
 __all__ = ["ProcessAPI"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .nested import tree_map
+from mixprec.nested import tree_map
 
 __all__ = ["ProcessInfo", "init_from_env", "gather", "reduce", "broadcast_object", "barrier"]
 

@@ -1,0 +1,14 @@
+"""The Accelerator tier: :class:`Accelerator` (composed of the parts it holds: the preparer, the
+checkpointer, the processes), the prepared objects it hands back, the precision audit, and the
+Accelerate-compatible configurations and state."""
+
+from mixprec.accelerator.accelerator import Accelerator
+from mixprec.accelerator.configs import (
+           DataLoaderConfiguration,
+           GradientAccumulationPlugin,
+           ProjectConfiguration,
+)
+from mixprec.accelerator.state import AcceleratorState, DistributedType, GradientState
+
+__all__ = ["Accelerator", "AcceleratorState", "DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin",
+           "GradientState", "ProjectConfiguration"]

@@ -1,0 +1,17 @@
+"""Checkpoints, format-neutral: a folder committed atomically with a manifest of sizes and sha256,
+verified before anything is read; listing and rotating numbered folders; sharded state through
+``torch.distributed.checkpoint`` (its metadata read without running code); the one mapping of
+write failures to ``OSError``; the run lock."""
+
+from mixprec.checkpoint.folder import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    is_complete_checkpoint,
+    load_tensor_file,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from mixprec.checkpoint.lock import RunLock
+
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "RunLock", "is_complete_checkpoint", "load_tensor_file",
+           "verify_checkpoint", "write_checkpoint"]
