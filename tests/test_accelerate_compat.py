@@ -44,7 +44,7 @@ def test_automatic_checkpoint_naming_rotates_only_after_the_new_checkpoint_is_co
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["checkpoint_1", "checkpoint_2"] and acc.save_iteration == 3
     # A save that fails half-way leaves both complete checkpoints and no debris.
-    import mixprec.checkpoint.folder as ckpt
+    import mixprec.accelerator.checkpointer as ckpt
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")

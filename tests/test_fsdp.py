@@ -162,7 +162,7 @@ def test_blocks_default_to_each_layer_of_a_modulelist_and_names_must_match():
 def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
     import pickle
 
-    from mixprec.distributed.fsdp import _SafeMetadataUnpickler
+    from mixprec.checkpoint.sharded import _SafeMetadataUnpickler
 
     class Evil:
         def __reduce__(self):
@@ -189,7 +189,7 @@ def test_async_save_appears_complete_and_a_failure_in_the_background_leaves_noth
         model.weight.zero_()
     acc.load_state(tmp_path / "a")
     assert torch.equal(model.weight, w)
-    import mixprec.checkpoint.folder as ckpt
+    import mixprec.accelerator.checkpointer as ckpt
 
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")

@@ -19,9 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.precision.optim import fused_adamw
 from mixprec.precision.bf16_true import cast_for_bf16_true, fp32_modules_rule
-from mixprec.precision.optim import SGD, AdamW, bf16_stochastic_round, make_bf16_optimizer
+from mixprec.precision.optim import SGD, AdamW, bf16_stochastic_round, fused_adamw, make_bf16_optimizer
 
 # These runs are hundreds of steps on 64 weights: a second intra-op thread only adds waiting,
 # and on a shared 2-core machine that waiting made this file 20x slower.

@@ -103,8 +103,8 @@ def main():
             if acc.process_index == 1:  # mid-save: the staging folder exists, the shards are not written
                 import signal
 
-                import mixprec.accelerator.state_files
-                mixprec.accelerator.state_files.save_sharded = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+                import mixprec.accelerator.checkpointer
+                mixprec.accelerator.checkpointer.save_sharded = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
             acc.save_state(out / "ckpt", extra_files={"loop.json": json.dumps({"step": step})})
         if step == args.save_at:
             acc.save_state(out / "ckpt", extra_files={"loop.json": json.dumps({"step": step})},

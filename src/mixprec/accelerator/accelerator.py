@@ -10,27 +10,24 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.accelerator.audit import PrecisionAudit, PrecisionReport
-from mixprec.accelerator.checkpointer import CheckpointAPI
+from mixprec.accelerator.checkpointer import Checkpointer
 from mixprec.accelerator.configs import (
     DataLoaderConfiguration,
     GradientAccumulationPlugin,
     ProjectConfiguration,
     coerce_config,
 )
-from mixprec.accelerator.prepare import PrepareAPI
-from mixprec.accelerator.processes import ProcessAPI
+from mixprec.accelerator.prepare import PreparedObjects, Preparer
+from mixprec.accelerator.processes import PROCESS_API, Processes, expose
 from mixprec.accelerator.state import AcceleratorState, DistributedType, GradientState
-from mixprec.accelerator.state_files import (
-    PreparedObjects,
-    StateHooks,
-)
 from mixprec.accelerator.wrappers import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
@@ -53,8 +50,14 @@ __all__ = ["Accelerator"]
 _ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
 
 
-class Accelerator(PrepareAPI, CheckpointAPI, ProcessAPI):
+@expose(PROCESS_API, "processes")
+class Accelerator:
     """Mixed precision, device placement and several processes for a training loop you write.
+
+    The Accelerator holds its parts and hands each call to the one that does it: ``preparer``
+    (:meth:`prepare` and its parts), ``checkpointer`` (:meth:`save_state`, :meth:`load_state`,
+    the model out), ``processes`` (which process runs what; ``state`` holds the same one), and
+    ``precision``, the current precision plugin (the step).
 
     Args:
         mixed_precision: any name :func:`~mixprec.resolve_precision` takes (``"no"``, ``"fp16"``,
@@ -138,7 +141,6 @@ class Accelerator(PrepareAPI, CheckpointAPI, ProcessAPI):
             raise ValueError(f"on_loss_scale_collapse must be 'raise' or 'fallback', got {on_loss_scale_collapse!r}")
         if not isinstance(compile, (bool, dict)):
             raise TypeError(f"compile must be True/False or a dict of torch.compile arguments, got {type(compile).__name__}")
-        self.compile = compile
         self.bf16_true = BF16TrueConfig(compensation=bf16_true_compensation, state_dtype=bf16_true_state_dtype)
         self.diagnostics = DiagnosticsConfig.coerce(diagnostics)
         self.on_loss_scale_collapse = on_loss_scale_collapse
@@ -147,50 +149,56 @@ class Accelerator(PrepareAPI, CheckpointAPI, ProcessAPI):
         self.project_configuration = coerce_config(project_config, ProjectConfiguration, "project_config")
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(project_dir)
-        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.fsdp_plugin = None if fsdp_plugin is None else FullyShardedDataParallelPlugin.from_config(fsdp_plugin)
         if self.fsdp_plugin is not None and ddp_comm_hook is not None:
             raise ValueError("ddp_comm_hook compresses DDP's all-reduce; with fsdp_plugin set "
                              "FullyShardedDataParallelPlugin(reduce_dtype=...) instead")
-        self._sharded_params: dict[int, torch.nn.Parameter] = {}  # id(original) -> its sharded parameter
-        self._pending_save: Any = None  # a checkpoint being written in the background
         self._preemption: Preemption | None = None
-        self._async_group: Any = None
         device = torch.device("cpu") if cpu else default_device()
-        self._process = D.init_from_env(device.type)
+        info = D.init_from_env(device.type)
         if device.type == "cuda":
-            device = torch.device("cuda", self._process.local_rank)
+            device = torch.device("cuda", info.local_rank)
             torch.cuda.set_device(device)
         if os.environ.get("ACCELERATE_TORCH_DEVICE"):  # Accelerate's override of the device
             device = torch.device(os.environ["ACCELERATE_TORCH_DEVICE"])
-        if self.dataloader_config.split_batches and self._process.world_size > 1:
+        if self.dataloader_config.split_batches and info.world_size > 1:
             raise NotImplementedError("split_batches=True with several processes is not supported yet: each process "
                                       "draws its own batches; divide the batch size by the number of processes instead")
+        #: Which process this is among all of them, and what runs where (a part; ``state`` holds it too).
+        self.processes = Processes(info, device)
+        policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", device)
+        self.skip_nonfinite_steps = skip_nonfinite_steps
+        #: What the run's precision does (read at call time by the prepared models and optimizers).
+        self.precision: PrecisionPlugin = make_plugin(policy, device, loss_scaler=loss_scaler,
+                                                      bf16_true=self.bf16_true, skip_nonfinite_steps=skip_nonfinite_steps)
         #: Who this process is (Accelerate's ``accelerator.state``; this Accelerator's own, not global).
-        self.state = AcceleratorState(self, device)
+        self.state = AcceleratorState(self.processes, mixed_precision=_ACCELERATE_NAMES[policy.name])
         #: Gradient accumulation as the loop sees it (Accelerate's ``accelerator.gradient_state``).
         self.gradient_state = GradientState(gradient_accumulation_steps, plugin.adjust_scheduler,
                                             plugin.sync_with_dataloader, plugin.sync_each_batch)
-        policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", self.device)
-        #: What the run's precision does (read at call time by the prepared models and optimizers).
-        self.skip_nonfinite_steps = skip_nonfinite_steps
-        self.precision: PrecisionPlugin = make_plugin(policy, self.device, loss_scaler=loss_scaler,
-                                                      bf16_true=self.bf16_true, skip_nonfinite_steps=skip_nonfinite_steps)
-        self.device_placement = device_placement
         self.ddp_comm_hook = ddp_comm_hook
-        # The dtype DDP's all-reduce sends gradients in, when ddp_comm_hook compresses them.
-        self._ddp_wire_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(ddp_comm_hook or "")
         self.step = 0  # micro-batches seen by accumulate(), as Accelerate counts them
         #: Everything prepared (and registered for checkpointing), in order; what save_state writes.
         self.prepared = PreparedObjects()
-        self._state_hooks = StateHooks()
-        self._optimizer_hooks = OptimizerHooks(step=self._step_optimizer, zero_grad=self._zero_grad,
-                                               precision=self._current_precision)
-        self.monitor: Monitor | None = None
-        self.optimizer_steps = 0  # applied or skipped, counted by the first prepared optimizer
-        self.precision_fallbacks: list[dict[str, Any]] = []
         #: What the prepared objects really train in (see :meth:`precision_report`).
         self.audit = PrecisionAudit()
+        self.optimizer_steps = 0  # applied or skipped, counted by the first prepared optimizer
+        self.precision_fallbacks: list[dict[str, Any]] = []
+        #: ``prepare`` and its parts.
+        self.preparer = Preparer(
+            state=self.state, gradient_state=self.gradient_state, precision=self._current_precision,
+            prepared=self.prepared, audit=self.audit,
+            optimizer_hooks=OptimizerHooks(step=self._step_optimizer, zero_grad=self._zero_grad,
+                                           precision=self._current_precision),
+            diagnostics=self.diagnostics, fsdp_plugin=self.fsdp_plugin,
+            # The dtype DDP's all-reduce sends gradients in, when ddp_comm_hook compresses them.
+            ddp_wire_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(ddp_comm_hook or ""),
+            compile=compile, dataloader_config=self.dataloader_config, device_placement=device_placement,
+            step_scheduler_with_optimizer=step_scheduler_with_optimizer)
+        #: Checkpoints in and out, and the model out.
+        self.checkpointer = Checkpointer(processes=self.processes, prepared=self.prepared,
+                                         project=self.project_configuration, device=device,
+                                         sharded=self.fsdp_plugin is not None)
 
     def _current_precision(self) -> PrecisionPlugin:
         return self.precision
@@ -292,6 +300,182 @@ class Accelerator(PrepareAPI, CheckpointAPI, ProcessAPI):
     @property
     def use_distributed(self) -> bool:
         return self.state.use_distributed
+
+    # -- settings the preparer holds -------------------------------------------------------
+    @property
+    def device_placement(self) -> bool:
+        """Whether prepared models and batches are moved to :attr:`device` (settable)."""
+        return self.preparer.device_placement
+
+    @device_placement.setter
+    def device_placement(self, value: bool) -> None:
+        self.preparer.device_placement = value
+
+    @property
+    def compile(self) -> bool | dict:
+        """``torch.compile`` of prepared models (``True`` or its arguments; ``False``: off)."""
+        return self.preparer.compile
+
+    @property
+    def step_scheduler_with_optimizer(self) -> bool:
+        return self.preparer.step_scheduler_with_optimizer
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """The diagnostics' monitor of the prepared models (``None`` with diagnostics off)."""
+        return self.preparer.monitor
+
+    # -- prepare (the preparer's) ------------------------------------------------------------
+    def prepare(self, *objects: Any, device_placement: list[bool | None] | None = None) -> Any:
+        """Wrap models, optimizers, schedulers and dataloaders; returns them in the order given.
+
+        Anything else (``None``, a list, a tokenizer) comes back unchanged, as in Accelerate; an
+        object prepared already comes back as it is. ``device_placement`` (one entry per object)
+        overrides the Accelerator's for the models among them.
+        """
+        return self.preparer.prepare(*objects, device_placement=device_placement)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
+        """Move ``model`` to the device, convert it for the precision (bf16 parameters for
+        bf16-true), run its forward in the current precision, and shard it with FSDP2 or wrap it
+        in ``DistributedDataParallel`` when several processes run. A model prepared already is
+        returned as it is."""
+        return self.preparer.prepare_model(model, device_placement)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        """Wrap ``optimizer`` so that ``step()`` goes through the precision plugin (bf16-true
+        first swaps a fresh AdamW/SGD for its compensated twin)."""
+        return self.preparer.prepare_optimizer(optimizer)
+
+    def prepare_scheduler(self, scheduler: Any, *, steps_per_call: int | None = None) -> AcceleratedScheduler:
+        """Wrap ``scheduler`` so that it steps only when its optimizer's step was applied (see
+        ``step_scheduler_with_optimizer``). ``steps_per_call`` overrides Accelerate's count of
+        schedule steps per applied step (the number of processes, or 1 with ``split_batches``)."""
+        return self.preparer.prepare_scheduler(scheduler, steps_per_call=steps_per_call)
+
+    def prepare_data_loader(self, dataloader: torch.utils.data.DataLoader, *,
+                            checkpoint: bool = True) -> PreparedDataLoader:
+        """Batches on the device, and each process its own shard of every batch round;
+        ``checkpoint``: save and restore its position in :meth:`save_state`."""
+        return self.preparer.prepare_data_loader(dataloader, checkpoint=checkpoint)
+
+    def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
+        """Start ``dataloader``'s next epoch at batch ``num_batches``, without loading the ones before.
+
+        Returns the same prepared dataloader (the skip applies to one epoch). After
+        :meth:`load_state` the dataloader already resumes at the saved batch; calling this sets
+        the start instead of adding to it.
+        """
+        return self.preparer.skip_first_batches(dataloader, num_batches)
+
+    # -- checkpoints and the model out (the checkpointer's) ------------------------------------
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore these objects (anything with ``state_dict``/``load_state_dict``) in ``save_state``.
+
+        Raises:
+            ValueError: listing every object (by its index) that has no ``state_dict``/``load_state_dict``.
+        """
+        self.checkpointer.register(*objects)
+
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> torch.nn.Module:
+        """The user's module without the DDP wrapper; with ``keep_torch_compile=True`` (Accelerate's
+        default) a compiled model stays compiled around it, and with ``keep_fp32_wrapper=False``
+        its forward loses the precision's autocast."""
+        return self.checkpointer.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict`` (of the user's module, without wrapper prefixes, when ``unwrap``).
+
+        A sharded model's is gathered whole onto the CPU of every rank (call it on every rank).
+        """
+        return self.checkpointer.get_state_dict(model, unwrap)
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> Path:
+        """Write the model's weights into ``save_directory`` (main process only), atomically.
+
+        ``model.safetensors``, or ``pytorch_model.bin`` with ``safe_serialization=False`` (tensors
+        only: it loads with ``torch.load(weights_only=True)``); above ``max_shard_size`` (bytes,
+        or ``"500MB"``, ``"10GB"``) the weights are split into numbered shards with an index, in
+        the layout ``transformers``' and Accelerate's loaders read.
+        """
+        return self.checkpointer.save_model(model, save_directory, max_shard_size, safe_serialization)
+
+    def register_save_state_pre_hook(self, hook: Any) -> Any:
+        """Call ``hook(models, weights, output_dir)`` before :meth:`save_state` writes.
+
+        ``weights`` are the models' state dicts; removing one from the list (with its model)
+        leaves that model to the hook. Files the hook writes into ``output_dir`` join the same
+        atomic write. Returns a handle whose ``remove()`` unregisters the hook.
+        """
+        return self.checkpointer.hooks.add_save(hook)
+
+    def register_load_state_pre_hook(self, hook: Any) -> Any:
+        """Call ``hook(models, input_dir)`` before :meth:`load_state` reads; removing a model from
+        the list leaves its weights to the hook. Returns a handle whose ``remove()`` unregisters it."""
+        return self.checkpointer.hooks.add_load(hook)
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
+                   extra_files: dict[str, str | bytes] | None = None, async_save: bool = False,
+                   finish: Callable[[Path, dict[str, list[str]]], None] | None = None) -> Path:
+        """Write everything needed to continue bit for bit into ``output_dir``, atomically.
+
+        Model weights as safetensors (whatever ``safe_serialization`` says: the checkpoint is read
+        back only by :meth:`load_state`); optimizer, scheduler, scaler, dataloader positions and
+        RNG states (one file per process) with ``torch.save``; a manifest with sizes and sha256.
+        The folder appears only when complete. Without ``output_dir``, a project configuration
+        with ``automatic_checkpoint_naming`` names it ``checkpoints/checkpoint_<i>`` and, with
+        ``total_limit``, deletes the oldest once the new one is complete. ``extra_files`` (name ->
+        text or bytes) join the same atomic write (the Trainer puts ``trainer_state.json`` there);
+        ``finish(folder, written)`` is called on the main process with the staging folder and the
+        files written by role (``{"model": ["model_0.safetensors"], "optimizer": [...], ...}``)
+        before the one commit (the Trainer adds Hugging Face's names there). An iteration left
+        open (an optimizer stepped, another not yet) is closed first.
+
+        With ``async_save=True`` the models and optimizers are written by
+        ``torch.distributed.checkpoint``'s asynchronous save: the call returns once they are copied
+        to CPU memory, the files are written in the background, and the folder still appears only
+        when complete (:meth:`wait_for_checkpoint` waits for it; the next save, ``load_state`` and
+        ``end_training`` do so themselves).
+
+        Raises:
+            OSError: the checkpoint could not be written (a full disk, a file size limit, an I/O
+                error), naming it, the reason and the bytes it needs; nothing is left behind.
+        """
+        self.checkpointer.wait()  # the previous one first: its meta is not this one's
+        self.precision.finish_iteration()
+        meta = {"step": self.step, "precision": self.policy.name, "optimizer_steps": self.optimizer_steps,
+                "precision_fallback": bool(self.precision_fallbacks)}
+        return self.checkpointer.save(output_dir, meta=meta, precision_state=self.precision.state_dict(),
+                                      extra_files=extra_files, async_save=async_save, finish=finish)
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Block until the checkpoint being written in the background (``async_save``) is in place;
+        returns its folder (``None`` if none was pending). Raises what made it fail."""
+        return self.checkpointer.wait()
+
+    def load_state(self, input_dir: str | os.PathLike | None = None, **load_kwargs: Any) -> None:
+        """Restore what :meth:`save_state` wrote, after verifying every file against the manifest.
+
+        Without ``input_dir``, the newest automatically named checkpoint of the project. A
+        dataloader resumes at the start of the epoch that was running (the loop skips what it
+        has seen, e.g. with :meth:`skip_first_batches`), or, with
+        ``DataLoaderConfiguration(use_stateful_dataloader=True)``, at the next unseen batch.
+
+        Raises:
+            FileNotFoundError: no checkpoint folder there (a :class:`~mixprec.CheckpointError`).
+            CheckpointError: naming the file that is missing, truncated, altered, or that holds
+                anything but tensors (nothing in it is run).
+        """
+        meta, precision_state = self.checkpointer.load(input_dir)
+        if meta.get("precision_fallback") and meta["precision"] != self.policy.name:
+            self._switch_precision(meta["precision"])  # the run had fallen back: keep it so
+            self.precision_fallbacks.append({"step": meta.get("optimizer_steps", 0), "to": meta["precision"]})
+        self.precision.load_state_dict(precision_state)
+        self.audit.scaler_loaded(self.precision.state_dict(), precision_state, enabled=self.scaler is not None)
+        self.step = int(meta["step"])
+        self.optimizer_steps = int(meta.get("optimizer_steps", 0))
 
     # -- the step ---------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -435,6 +619,7 @@ class Accelerator(PrepareAPI, CheckpointAPI, ProcessAPI):
         self.precision.release()
         self.precision = make_plugin(name, self.device, bf16_true=self.bf16_true,
                                      skip_nonfinite_steps=self.skip_nonfinite_steps)
+        self.state.mixed_precision = _ACCELERATE_NAMES[self.precision.policy.name]
         for o in self.prepared.optimizers:
             self.precision.track_optimizer(o.optimizer)
 
@@ -502,7 +687,7 @@ class Accelerator(PrepareAPI, CheckpointAPI, ProcessAPI):
         if mode == "fsdp" and p.compute_dtype != torch.float32:
             reduce_dtype = self.fsdp_plugin.reduce_dtype or p.compute_dtype  # None: FSDP2 reduces in param_dtype
         elif mode == "ddp":
-            reduce_dtype = self._ddp_wire_dtype
+            reduce_dtype = self.preparer.ddp_wire_dtype
         return self.audit.report(p.name, mode, [unwrap(m) for m in self.prepared.models],
                                  [o.optimizer for o in self.prepared.optimizers], self.scaler,
                                  reduce_dtype=reduce_dtype, moments=self.precision.optimizer_state_dtype)
@@ -510,12 +695,10 @@ class Accelerator(PrepareAPI, CheckpointAPI, ProcessAPI):
     def free_memory(self, *objects: Any) -> Any:
         """Forget every prepared object, collect garbage and empty the device cache (between two
         trainings in one process). Returns a list holding ``None`` for each object passed, to assign back."""
-        self.prepared = PreparedObjects()
+        self.preparer.forget()
         self.precision.forget_optimizers()
-        self.audit.close()
-        self.audit = PrecisionAudit()  # the next run's objects are observed afresh
+        self.audit.reset()  # the next run's objects are observed afresh
         self.gradient_state.dataloader_references.clear()
-        self.monitor = None
         self.step = 0
         gc.collect()
         if self.device.type == "cuda":

@@ -129,13 +129,18 @@ class PrecisionAudit:
     """
 
     def __init__(self) -> None:
+        self._handles: list[Any] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Remove every hook and forget every observation (the next run's objects are observed afresh)."""
+        self.close()
         self.forward: list[dict[str, Any]] = []   # one record per Linear in the first forward
         self.reduced: set[torch.dtype] = set()
         self.grads: set[torch.dtype] = set()
         self.scaler_restored: bool | None = None
         self.scaler_note = ""
         self._kept_fp32: set[int] = set()  # normalisation layers' parameters (fp32 in bf16-true)
-        self._handles: list[Any] = []
 
     # -- observers -------------------------------------------------------------------------
     def watch_model(self, model: torch.nn.Module) -> None:

@@ -1,42 +1,127 @@
-"""The Accelerator's checkpoints and exported weights, under Hugging Face Accelerate's names.
+"""The Accelerator's checkpoints and the trained model out: a part the Accelerator holds.
 
-``save_state`` / ``load_state`` (everything needed to continue bit for bit, written atomically,
-verified before it is read; sharded models through ``torch.distributed.checkpoint``, in the
-background with ``async_save``), their pre-hooks, ``register_for_checkpointing``, and the model
-out: ``unwrap_model``, ``get_state_dict`` (gathered whole from shards) and ``save_model``
-(consolidated safetensors). A mixin of :class:`~mixprec.Accelerator`, whose state it reads.
+``save`` / ``load`` write and read everything a bit-for-bit resume needs, through the checkpoint
+layer (:mod:`mixprec.checkpoint`): one staging folder per checkpoint, committed once with its
+manifest. Model weights as safetensors, every other state with ``torch.save`` (read back with
+``weights_only=True``), one RNG file per process, the precision plugin's state (the loss
+scaler's) and the run's counters; sharded models through ``torch.distributed.checkpoint``, in the
+background with ``async_save``. Also here: the save/load pre-hooks, ``register_for_checkpointing``
+and the model out (``unwrap_model``, ``get_state_dict``, ``save_model``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from mixprec.accelerator.state_files import (
-    load_accelerator_state,
-    resolve_load_dir,
-    resolve_save_dir,
-    save_accelerator_state,
-    save_model_weights,
-)
+from mixprec.accelerator.configs import ProjectConfiguration
+from mixprec.accelerator.prepare import PreparedObjects
+from mixprec.accelerator.processes import Processes
 from mixprec.accelerator.wrappers import unpatch_forward, unwrap, unwrap_keeping_compile
+from mixprec.checkpoint.folder import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    commit_checkpoint,
+    is_complete_checkpoint,
+    load_tensor_file,
+    rng_state,
+    rotate_checkpoints,
+    set_rng_state,
+    staging_dir,
+    verify_checkpoint,
+)
+from mixprec.checkpoint.sharded import load_sharded, save_sharded
+from mixprec.checkpoint.weights import save_model_weights
+from mixprec.checkpoint.writing import PendingSave, explain_write_error, is_write_failure, torch_save
+from mixprec.distributed import groups as D
 from mixprec.distributed.fsdp import full_state_dict, is_sharded
+from mixprec.nested import tree_leaves
 
-__all__ = ["CheckpointAPI"]
+__all__ = ["Checkpointer", "StateHooks"]
+
+log = logging.getLogger("mixprec")
+
+#: ``finish(folder, written)``: called on the main process before the commit, with the staging
+#: folder and the files written by role (``"model"``, ``"optimizer"``, ``"scheduler"``, ``"scaler"``...).
+Finish = Callable[[Path, dict[str, list[str]]], None]
 
 
-class CheckpointAPI:
-    """Mixin: checkpoints in and out, and the trained model out."""
+class StateHooks:
+    """The hooks registered with ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``."""
 
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and restore these objects (anything with ``state_dict``/``load_state_dict``) in ``save_state``.
+    def __init__(self) -> None:
+        self.save: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self.load: OrderedDict[int, Callable[..., None]] = OrderedDict()
 
-        Raises:
-            ValueError: listing every object (by its index) that has no ``state_dict``/``load_state_dict``.
-        """
+    def add_save(self, hook: Callable[..., None]) -> RemovableHandle:
+        handle = RemovableHandle(self.save)
+        self.save[handle.id] = hook
+        return handle
+
+    def add_load(self, hook: Callable[..., None]) -> RemovableHandle:
+        handle = RemovableHandle(self.load)
+        self.load[handle.id] = hook
+        return handle
+
+
+class Checkpointer:
+    """Checkpoints in and out, and the trained model out, for one Accelerator's prepared objects.
+
+    Args:
+        processes: who this process is (only the main process writes the shared files).
+        prepared: the Accelerator's prepared objects (what a checkpoint holds).
+        project: the project configuration (automatic checkpoint naming and ``total_limit``).
+        device: where loaded optimizer state goes.
+        sharded: whether models are written as DCP shards (FSDP2).
+    """
+
+    def __init__(self, *, processes: Processes, prepared: PreparedObjects, project: ProjectConfiguration,
+                 device: torch.device, sharded: bool) -> None:
+        self.processes, self.prepared, self.project = processes, prepared, project
+        self.device, self.sharded = device, sharded
+        self.hooks = StateHooks()
+        self._pending: PendingSave | None = None
+        self._async_group: Any = None
+
+    # -- models out ---------------------------------------------------------------------
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> torch.nn.Module:
+        """See :meth:`Accelerator.unwrap_model`."""
+        model = unwrap_keeping_compile(model) if keep_torch_compile else unwrap(model)
+        if not keep_fp32_wrapper:
+            unpatch_forward(unwrap(model))
+        return model
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """See :meth:`Accelerator.get_state_dict`."""
+        inner = self.unwrap_model(model, keep_torch_compile=False)
+        if is_sharded(inner):
+            return full_state_dict(inner)
+        return (inner if unwrap else model).state_dict()
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> Path:
+        """See :meth:`Accelerator.save_model`."""
+        path = Path(save_directory)
+        inner = unwrap(model)
+        full = full_state_dict(inner) if is_sharded(inner) else None  # every rank takes part in the gather
+        if self.processes.is_main_process:
+            save_model_weights(inner, path, max_shard_size=max_shard_size, safe_serialization=safe_serialization,
+                               state=full)
+        self.processes.wait_for_everyone()
+        return path
+
+    def register(self, *objects: Any) -> None:
+        """See :meth:`Accelerator.register_for_checkpointing`."""
         bad = [f"- Item at index {i}, `{type(obj).__name__}`" for i, obj in enumerate(objects)
                if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))]
         if bad:
@@ -45,126 +130,179 @@ class CheckpointAPI:
                              "both):\n" + "\n".join(bad))
         self.prepared.custom.extend(objects)
 
-    # -- models out ---------------------------------------------------------------------
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
-                     keep_torch_compile: bool = True) -> torch.nn.Module:
-        """The user's module without the DDP wrapper; with ``keep_torch_compile=True`` (Accelerate's
-        default) a compiled model stays compiled around it, and with ``keep_fp32_wrapper=False``
-        its forward loses the precision's autocast."""
-        model = unwrap_keeping_compile(model) if keep_torch_compile else unwrap(model)
-        if not keep_fp32_wrapper:
-            unpatch_forward(unwrap(model))
-        return model
+    # -- where --------------------------------------------------------------------------
+    def save_dir(self, output_dir: str | os.PathLike | None) -> Path:
+        """Where a save writes: ``output_dir``, else the project's next automatically named checkpoint."""
+        if output_dir is not None:
+            return Path(output_dir).expanduser()
+        project = self.project
+        if not project.automatic_checkpoint_naming:
+            raise ValueError("save_state() needs an output_dir, or a project with automatic checkpoint naming: "
+                             "Accelerator(project_config=ProjectConfiguration(project_dir=..., "
+                             "automatic_checkpoint_naming=True))")
+        final = project.checkpoints_dir / f"checkpoint_{project.iteration}"
+        if final.exists():
+            raise ValueError(f"checkpoint folder {final} ({project.iteration}) already exists: set "
+                             "ProjectConfiguration(iteration=...) to the number the next checkpoint should get")
+        return final
 
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The model's ``state_dict`` (of the user's module, without wrapper prefixes, when ``unwrap``).
+    def load_dir(self, input_dir: str | os.PathLike | None) -> Path:
+        """Where a load reads: ``input_dir``, else the project's newest complete checkpoint."""
+        if input_dir is not None:
+            path = Path(input_dir).expanduser()
+            if not path.is_dir():
+                raise CheckpointNotFoundError(f"no checkpoint folder at {path}")
+            return path
+        if not self.project.automatic_checkpoint_naming:
+            raise ValueError("load_state() needs an input_dir, or a project with automatic checkpoint naming")
+        done = [p for p in self.project.numbered_checkpoints() if is_complete_checkpoint(p)]
+        if not done:
+            raise CheckpointNotFoundError(f"no complete checkpoint under {self.project.checkpoints_dir}")
+        return done[-1]
 
-        A sharded model's is gathered whole onto the CPU of every rank (call it on every rank).
-        """
-        inner = self.unwrap_model(model, keep_torch_compile=False)
-        if is_sharded(inner):
-            return full_state_dict(inner)
-        return (inner if unwrap else model).state_dict()
-
-    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
-                   safe_serialization: bool = True) -> Path:
-        """Write the model's weights into ``save_directory`` (main process only), atomically.
-
-        ``model.safetensors``, or ``pytorch_model.bin`` with ``safe_serialization=False`` (tensors
-        only: it loads with ``torch.load(weights_only=True)``); above ``max_shard_size`` (bytes,
-        or ``"500MB"``, ``"10GB"``) the weights are split into numbered shards with an index, in
-        the layout ``transformers``' and Accelerate's loaders read.
-        """
-        path = Path(save_directory)
-        inner = unwrap(model)
-        full = full_state_dict(inner) if is_sharded(inner) else None  # every rank takes part in the gather
-        if self.is_main_process:
-            save_model_weights(inner, path, max_shard_size=max_shard_size, safe_serialization=safe_serialization,
-                               state=full)
-        self.wait_for_everyone()
-        return path
-
-    # -- checkpoints -------------------------------------------------------------------
-    def register_save_state_pre_hook(self, hook: Any) -> Any:
-        """Call ``hook(models, weights, output_dir)`` before :meth:`save_state` writes.
-
-        ``weights`` are the models' state dicts; removing one from the list (with its model)
-        leaves that model to the hook. Files the hook writes into ``output_dir`` join the same
-        atomic write. Returns a handle whose ``remove()`` unregisters the hook.
-        """
-        return self._state_hooks.add_save(hook)
-
-    def register_load_state_pre_hook(self, hook: Any) -> Any:
-        """Call ``hook(models, input_dir)`` before :meth:`load_state` reads; removing a model from
-        the list leaves its weights to the hook. Returns a handle whose ``remove()`` unregisters it."""
-        return self._state_hooks.add_load(hook)
-
-    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
-                   extra_files: dict[str, str | bytes] | None = None, async_save: bool = False) -> Path:
-        """Write everything needed to continue bit for bit into ``output_dir``, atomically.
-
-        Model weights as safetensors (whatever ``safe_serialization`` says: the checkpoint is read
-        back only by :meth:`load_state`); optimizer, scheduler, scaler, dataloader positions and
-        RNG states (one file per process) with ``torch.save``; a manifest with sizes and sha256.
-        The folder appears only when complete. Without ``output_dir``, a project configuration
-        with ``automatic_checkpoint_naming`` names it ``checkpoints/checkpoint_<i>`` and, with
-        ``total_limit``, deletes the oldest once the new one is complete. ``extra_files`` (name ->
-        text or bytes) join the same atomic write (the Trainer puts ``trainer_state.json`` there).
-        An iteration left open (an optimizer stepped, another not yet) is closed first.
-
-        With ``async_save=True`` the models and optimizers are written by
-        ``torch.distributed.checkpoint``'s asynchronous save: the call returns once they are copied
-        to CPU memory, the files are written in the background, and the folder still appears only
-        when complete (:meth:`wait_for_checkpoint` waits for it; the next save, ``load_state`` and
-        ``end_training`` do so themselves).
-        """
-        self.wait_for_checkpoint()  # one checkpoint in flight at a time
-        final = resolve_save_dir(output_dir, self.project_configuration)
-        self.precision.finish_iteration()
-        meta = {"step": self.step, "precision": self.policy.name, "optimizer_steps": self.optimizer_steps,
-                "precision_fallback": bool(self.precision_fallbacks)}
-        automatic = output_dir is None and self.project_configuration.automatic_checkpoint_naming
-        project = self.project_configuration
+    # -- save ---------------------------------------------------------------------------
+    def save(self, output_dir: str | os.PathLike | None, *, meta: dict[str, Any], precision_state: dict[str, Any],
+             extra_files: dict[str, str | bytes] | None = None, async_save: bool = False,
+             finish: Finish | None = None) -> Path:
+        """See :meth:`Accelerator.save_state`; ``meta`` (the run's counters and precision) is written
+        as ``accelerator.bin``. Every process calls it. The main process writes all but the RNG
+        files (and the DCP shards, which every rank writes into ``model_<i>/``), runs ``finish``,
+        and commits the folder once. Whatever fails, the staging folder is removed."""
+        self.wait()  # one checkpoint in flight at a time
+        final = self.save_dir(output_dir)
+        automatic = output_dir is None and self.project.automatic_checkpoint_naming
         group = None
-        if async_save and self.use_distributed:
+        if async_save and self.processes.num_processes > 1:
             if self._async_group is None:  # background writes coordinate on their own gloo group
                 self._async_group = torch.distributed.new_group(backend="gloo")
             group = self._async_group
-        self._pending_save = save_accelerator_state(
-            final, self.prepared, self._process, self.precision.state_dict(), meta, extra_files or {},
-            hooks=self._state_hooks, sharded=self.fsdp_plugin is not None or async_save, asynchronous=async_save,
-            process_group=group, after_commit=(lambda: self._state_hooks.rotate(project)) if automatic else None)
+        after = (lambda: rotate_checkpoints(self.project.checkpoints_dir, "checkpoint_",
+                                            self.project.total_limit)) if automatic else None
+        self._pending = self._write(final, meta, precision_state, extra_files or {}, sharded=self.sharded or async_save,
+                                    asynchronous=async_save, process_group=group, finish=finish, after_commit=after)
         if automatic:
-            project.iteration += 1
+            self.project.iteration += 1
         return final
 
-    def wait_for_checkpoint(self) -> Path | None:
-        """Block until the checkpoint being written in the background (``async_save``) is in place;
-        returns its folder (``None`` if none was pending). Raises what made it fail."""
-        pending, self._pending_save = self._pending_save, None
+    def _write(self, final: Path, meta: dict[str, Any], precision_state: dict[str, Any],
+               extra_files: dict[str, str | bytes], *, sharded: bool, asynchronous: bool, process_group: Any,
+               finish: Finish | None, after_commit: Callable[[], None] | None) -> PendingSave:
+        info = self.processes.info
+        main = info.rank == 0
+        prepared = self.prepared
+        # The main process makes the staging folder; every process writes its own RNG state into it.
+        tmp = Path(D.broadcast_object(str(staging_dir(final)) if main else None))
+        try:
+            torch_save(rng_state(), tmp / f"random_states_{info.rank}.bin")
+            futures = []
+            if sharded:
+                futures = save_sharded(tmp, [unwrap(m) for m in prepared.models],
+                                       [o.optimizer for o in prepared.optimizers],
+                                       asynchronous=asynchronous, process_group=process_group)
+            D.barrier()
+            if main:
+                written = self._write_shared(tmp, meta, precision_state, extra_files, sharded=sharded)
+                if finish is not None:
+                    finish(tmp, written)
+        except BaseException as error:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if is_write_failure(error):
+                raise explain_write_error(error, final, checkpoint_bytes(prepared)) from error
+            raise
+
+        def commit() -> None:
+            if main:
+                commit_checkpoint(tmp, final, meta={"num_processes": info.world_size, "precision": meta["precision"]})
+                if after_commit is not None:
+                    after_commit()
+
+        def discard() -> None:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+        pending = PendingSave(final, futures, commit, discard)
+        if not asynchronous:
+            pending.wait()
+            D.barrier()
+        return pending
+
+    def _write_shared(self, tmp: Path, meta: dict[str, Any], precision_state: dict[str, Any],
+                      extra_files: dict[str, str | bytes], *, sharded: bool) -> dict[str, list[str]]:
+        """The main process's files; returns their names by role."""
+        prepared = self.prepared
+        written: dict[str, list[str]] = {}
+        models = [] if sharded else list(prepared.models)
+        if self.hooks.save:
+            weights = [unwrap(m).state_dict() for m in models]
+            given = list(weights)
+            for hook in self.hooks.save.values():
+                hook(models, weights, str(tmp))  # what the hook writes joins the atomic commit
+            models = [m for m, w in zip(prepared.models, given) if any(w is x for x in weights)]
+        for i, m in enumerate(models):
+            safetensors.torch.save_model(unwrap(m), str(tmp / f"model_{i}.safetensors"))
+            written.setdefault("model", []).append(f"model_{i}.safetensors")
+        for name, objs in prepared.stateful().items():
+            if sharded and name == "optimizer":
+                continue  # in the DCP shards, beside their model's
+            for i, obj in enumerate(objs):
+                torch_save(obj.state_dict(), tmp / f"{name}_{i}.bin")
+                written.setdefault(name, []).append(f"{name}_{i}.bin")
+        if precision_state:
+            torch_save(precision_state, tmp / "scaler.bin")
+            written["scaler"] = ["scaler.bin"]
+        torch_save(meta, tmp / "accelerator.bin")
+        for name, content in extra_files.items():
+            (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
+        return written
+
+    def wait(self) -> Path | None:
+        """Block until the checkpoint being written in the background is in place; returns its
+        folder (``None`` if none was pending). Raises what made it fail."""
+        pending, self._pending = self._pending, None
         return pending.wait() if pending is not None else None
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, **load_kwargs: Any) -> None:
-        """Restore what :meth:`save_state` wrote, after verifying every file against the manifest.
+    # -- load ---------------------------------------------------------------------------
+    def load(self, input_dir: str | os.PathLike | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """See :meth:`Accelerator.load_state`: verifies, restores the prepared objects and this
+        process's RNG; returns the run's ``meta`` and the precision plugin's state (``{}`` if none)."""
+        self.wait()
+        path = self.load_dir(input_dir)
+        prepared, info = self.prepared, self.processes.info
+        verify_checkpoint(path)  # before anything is read
+        models = list(prepared.models)
+        for hook in self.hooks.load.values():
+            hook(models, str(path))
+        sharded = (path / "model_0").is_dir()  # written by DCP: any number of ranks reads it
+        if sharded:
+            load_sharded(path, [unwrap(m) for m in models], [o.optimizer for o in prepared.optimizers])
+            models = []
+        for i, m in enumerate(models):
+            safetensors.torch.load_model(unwrap(m), str(path / f"model_{i}.safetensors"), strict=True,
+                                         device=str(self.device))
+        for name, objs in prepared.stateful().items():
+            if sharded and name == "optimizer":
+                continue
+            for i, obj in enumerate(objs):
+                f = path / f"{name}_{i}.bin"
+                if not f.exists():
+                    raise CheckpointError(f"{f} is missing: the checkpoint holds fewer {name}s than were prepared")
+                obj.load_state_dict(load_tensor_file(f, map_location=self.device if name == "optimizer" else "cpu"))
+        rng = path / f"random_states_{info.rank}.bin"
+        if not rng.exists():
+            # Written by fewer processes (a resharded resume): every new rank continues from rank 0's RNG.
+            log.warning("mixprec: %s was written by fewer processes than this run's %d; process %d continues from "
+                        "process 0's random state", path, info.world_size, info.rank)
+            rng = path / "random_states_0.bin"
+        set_rng_state(load_tensor_file(rng))
+        precision_state = load_tensor_file(path / "scaler.bin") if (path / "scaler.bin").exists() else {}
+        return load_tensor_file(path / "accelerator.bin"), precision_state
 
-        Without ``input_dir``, the newest automatically named checkpoint of the project. A
-        dataloader resumes at the start of the epoch that was running (the loop skips what it
-        has seen, e.g. with :meth:`skip_first_batches`), or, with
-        ``DataLoaderConfiguration(use_stateful_dataloader=True)``, at the next unseen batch.
 
-        Raises:
-            FileNotFoundError: no checkpoint folder there (a :class:`~mixprec.CheckpointError`).
-            CheckpointError: naming the file that is missing, truncated, altered, or that holds
-                anything but tensors (nothing in it is run).
-        """
-        self.wait_for_checkpoint()
-        path = resolve_load_dir(input_dir, self.project_configuration)
-        meta, precision_state = load_accelerator_state(path, self.prepared, self._process, self.device,
-                                                       hooks=self._state_hooks)
-        if meta.get("precision_fallback") and meta["precision"] != self.policy.name:
-            self._switch_precision(meta["precision"])  # the run had fallen back: keep it so
-            self.precision_fallbacks.append({"step": meta.get("optimizer_steps", 0), "to": meta["precision"]})
-        self.precision.load_state_dict(precision_state)
-        self.audit.scaler_loaded(self.precision.state_dict(), precision_state, enabled=self.scaler is not None)
-        self.step = int(meta["step"])
-        self.optimizer_steps = int(meta.get("optimizer_steps", 0))
+def checkpoint_bytes(prepared: PreparedObjects) -> int:
+    """About how many bytes a checkpoint of ``prepared`` takes: its models' and optimizers' tensors."""
+    def nbytes(obj: Any) -> int:
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tree_leaves(obj) if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in local)
+    return (sum(nbytes(unwrap(m).state_dict()) for m in prepared.models)
+            + sum(nbytes(o.optimizer.state) for o in prepared.optimizers))

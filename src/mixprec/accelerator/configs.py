@@ -8,10 +8,11 @@ arguments Accelerate's do. The Accelerator also accepts Accelerate's own objects
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from mixprec.checkpoint.folder import numbered_checkpoints
 
 __all__ = ["DataLoaderConfiguration", "GradientAccumulationPlugin", "ProjectConfiguration", "coerce_config"]
 
@@ -68,12 +69,7 @@ class ProjectConfiguration:
 
         Staging folders of a save in progress or interrupted are not checkpoints and are left out.
         """
-        root = self.checkpoints_dir
-        if not root.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in root.iterdir()
-                 if p.is_dir() and (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
-        return [p for _, p in sorted(found)]
+        return numbered_checkpoints(self.checkpoints_dir, "checkpoint_", complete=False)
 
 
 @dataclass

@@ -5,26 +5,60 @@ A model is moved to the device, converted for the precision (bf16 parameters for
 given the precision's forward, observed by the precision audit and the diagnostics, and sharded
 with FSDP2 or wrapped in DDP; an optimizer is pointed at the sharded parameters and wrapped so
 its step goes through the precision plugin; a scheduler steps only when its optimizer's step was
-applied; a dataloader is sharded over the processes and resumable. A mixin of
-:class:`~mixprec.Accelerator`, whose state it reads.
+applied; a dataloader is sharded over the processes and resumable. :class:`Preparer` is a part
+the Accelerator holds; everything it uses is given to it when it is made.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from mixprec.accelerator.audit import recording_ddp_hook
-from mixprec.accelerator.wrappers import AcceleratedOptimizer, AcceleratedScheduler, patch_forward
+from mixprec.accelerator.audit import PrecisionAudit, recording_ddp_hook
+from mixprec.accelerator.configs import DataLoaderConfiguration
+from mixprec.accelerator.state import AcceleratorState, GradientState
+from mixprec.accelerator.wrappers import (
+    AcceleratedOptimizer,
+    AcceleratedScheduler,
+    OptimizerHooks,
+    patch_forward,
+)
 from mixprec.data import PreparedDataLoader
-from mixprec.diagnostics.monitor import Monitor
+from mixprec.diagnostics.monitor import DiagnosticsConfig, Monitor
 from mixprec.distributed import groups as D
-from mixprec.distributed.fsdp import shard_model
+from mixprec.distributed.fsdp import FullyShardedDataParallelPlugin, shard_model
+from mixprec.precision import PrecisionPlugin
 
-__all__ = ["PrepareAPI"]
+__all__ = ["PreparedObjects", "Preparer"]
+
+
+@dataclass
+class PreparedObjects:
+    """Everything ``prepare`` returned that a checkpoint holds, in the order it was prepared.
+
+    ``custom`` are the objects given to ``register_for_checkpointing``.
+    """
+
+    models: list[torch.nn.Module] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    schedulers: list[Any] = field(default_factory=list)
+    dataloaders: list[Any] = field(default_factory=list)
+    custom: list[Any] = field(default_factory=list)
+
+    def stateful(self) -> dict[str, list[Any]]:
+        """The objects saved with their own ``state_dict()``, by the file name they are saved under."""
+        return {"optimizer": self.optimizers, "scheduler": self.schedulers, "dataloader": self.dataloaders,
+                "custom": self.custom}
+
+    def clear(self) -> None:
+        """Forget every object (``Accelerator.free_memory``)."""
+        for objects in (self.models, self.optimizers, self.schedulers, self.dataloaders, self.custom):
+            objects.clear()
 
 
 def _kind(obj: Any) -> str | None:
@@ -42,10 +76,48 @@ def _kind(obj: Any) -> str | None:
     return None
 
 
-class PrepareAPI:
-    """Mixin: ``prepare`` and its parts."""
+class Preparer:
+    """``prepare`` and its parts, for one Accelerator (see :meth:`Accelerator.prepare`).
 
-    # -- prepare --------------------------------------------------------------------------
+    Args:
+        state: who this process is and its device.
+        gradient_state: gradient accumulation as the loop sees it (the schedulers and dataloaders report to it).
+        precision: returns the run's current precision plugin (read at each call: a precision
+            fallback is one assignment in the Accelerator).
+        prepared: where the prepared objects are kept (what a checkpoint holds).
+        audit: the precision audit, which watches each model's first step.
+        optimizer_hooks: what a prepared optimizer's ``step`` and ``zero_grad`` call.
+        diagnostics: gradient statistics and overflow tracing (observe only).
+        fsdp_plugin: shard models with FSDP2 when several processes run (else DDP).
+        ddp_wire_dtype: the dtype DDP's all-reduce sends gradients in (``None``: as they are).
+        compile: ``torch.compile`` prepared models (a dict: its arguments).
+        dataloader_config: how prepared dataloaders behave.
+        device_placement: move models and batches to the device.
+        step_scheduler_with_optimizer: a prepared scheduler steps with its optimizer.
+    """
+
+    def __init__(self, *, state: AcceleratorState, gradient_state: GradientState,
+                 precision: Callable[[], PrecisionPlugin], prepared: PreparedObjects, audit: PrecisionAudit,
+                 optimizer_hooks: OptimizerHooks, diagnostics: DiagnosticsConfig,
+                 fsdp_plugin: FullyShardedDataParallelPlugin | None, ddp_wire_dtype: torch.dtype | None,
+                 compile: bool | dict, dataloader_config: DataLoaderConfiguration, device_placement: bool,
+                 step_scheduler_with_optimizer: bool) -> None:
+        self.state, self.gradient_state, self.precision = state, gradient_state, precision
+        self.prepared, self.audit, self.optimizer_hooks = prepared, audit, optimizer_hooks
+        self.diagnostics, self.fsdp_plugin, self.ddp_wire_dtype = diagnostics, fsdp_plugin, ddp_wire_dtype
+        self.compile, self.dataloader_config = compile, dataloader_config
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        #: The diagnostics' monitor, made by the first model prepared with diagnostics on.
+        self.monitor: Monitor | None = None
+        self.sharded_params: dict[int, torch.nn.Parameter] = {}  # id(original) -> its sharded parameter
+
+    def forget(self) -> None:
+        """Forget what was prepared and observed (``Accelerator.free_memory``)."""
+        self.prepared.clear()
+        self.monitor = None
+        self.sharded_params.clear()
+
     def prepare(self, *objects: Any, device_placement: list[bool | None] | None = None) -> Any:
         """Wrap models, optimizers, schedulers and dataloaders; returns them in the order given.
 
@@ -90,31 +162,32 @@ class PrepareAPI:
             if any(d in ("cpu", "disk") for d in device_map.values()):
                 raise ValueError("a model quantized by bitsandbytes with CPU or disk offload cannot be trained: "
                                  "load it wholly on the GPU (device_map={'': 0})")
+        state, precision = self.state, self.precision()
         if device_placement if device_placement is not None else self.device_placement:
-            model.to(self.device)
-        self.precision.convert_module(model)
-        patch_forward(model, self._current_precision)
-        if self.use_distributed and self.fsdp_plugin is not None:
+            model.to(state.device)
+        precision.convert_module(model)
+        patch_forward(model, self.precision)
+        if state.use_distributed and self.fsdp_plugin is not None:
             # Every rank shards the same weights: rank 0's (as DDP does; FSDP2 alone would keep
             # each rank's own slice of differently initialised models).
             D.broadcast_module_state(model)
             before = dict(model.named_parameters())
-            shard_model(model, self.fsdp_plugin, self.precision.sharding_policy(self.fsdp_plugin.reduce_dtype))
+            shard_model(model, self.fsdp_plugin, precision.sharding_policy(self.fsdp_plugin.reduce_dtype))
             # (activation checkpointing wraps the blocks: their names gain the wrapper's prefix)
             after = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
             # fully_shard replaces the parameters: optimizers built on the old ones are pointed at them.
-            self._sharded_params.update({id(p): after[n] for n, p in before.items() if n in after})
+            self.sharded_params.update({id(p): after[n] for n, p in before.items() if n in after})
         self.audit.watch_model(model)
         if self.diagnostics.enabled:  # after sharding: the statistics read the sharded gradients
             if self.monitor is None:
-                self.monitor = Monitor(self.diagnostics, scaler=self.scaler)
+                self.monitor = Monitor(self.diagnostics, scaler=precision.scaler)
             self.monitor.watch(model)
-        if self.use_distributed and self.fsdp_plugin is None:
-            ids = [self.device.index] if self.device.type == "cuda" else None
+        if state.use_distributed and self.fsdp_plugin is None:
+            ids = [state.device.index] if state.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)
             # The bucket's mean, compressed to ddp_comm_hook's dtype if set; the audit sees its dtype.
             model.register_comm_hook(state=None, hook=recording_ddp_hook(self.audit.record_reduced,
-                                                                          self._ddp_wire_dtype))
+                                                                          self.ddp_wire_dtype))
         if self.compile:
             # Compiled around the precision's forward, so autocast is traced into the graph.
             model = torch.compile(model, **(self.compile if isinstance(self.compile, dict) else {}))
@@ -126,12 +199,13 @@ class PrepareAPI:
         first swaps a fresh AdamW/SGD for its compensated twin)."""
         if isinstance(optimizer, AcceleratedOptimizer):
             optimizer = optimizer.optimizer
-        if self._sharded_params:
+        if self.sharded_params:
             for group in optimizer.param_groups:
-                group["params"] = [self._sharded_params.get(id(p), p) for p in group["params"]]
-        converted = self.precision.convert_optimizer(optimizer)
-        self.precision.track_optimizer(converted)
-        wrapped = AcceleratedOptimizer(converted, self._optimizer_hooks, original=optimizer)
+                group["params"] = [self.sharded_params.get(id(p), p) for p in group["params"]]
+        precision = self.precision()
+        converted = precision.convert_optimizer(optimizer)
+        precision.track_optimizer(converted)
+        wrapped = AcceleratedOptimizer(converted, self.optimizer_hooks, original=optimizer)
         self.prepared.optimizers.append(wrapped)
         return self._mark_prepared(wrapped)
 
@@ -141,7 +215,7 @@ class PrepareAPI:
         schedule steps per applied step (the number of processes, or 1 with ``split_batches``)."""
         optimizers = self.prepared.optimizers
         mine = [o for o in optimizers if scheduler.optimizer in (o.optimizer, o.original_optimizer)]
-        per_call = steps_per_call or (1 if self.split_batches else self.num_processes)
+        per_call = steps_per_call or (1 if self.dataloader_config.split_batches else self.state.num_processes)
         wrapped = AcceleratedScheduler(scheduler, mine or optimizers, self.gradient_state,
                                        step_with_optimizer=self.step_scheduler_with_optimizer, steps_per_call=per_call)
         self.prepared.schedulers.append(wrapped)
@@ -164,9 +238,9 @@ class PrepareAPI:
             seed = int(config.data_seed)
         else:
             seed = D.broadcast_object(int(torch.randint(0, 2**62, (1,)).item())) if needs_seed else 0
-        device = self.device if self.device_placement else None
-        prepared = PreparedDataLoader(dataloader, device=device, world_size=self.num_processes, rank=self.process_index,
-                                      seed=seed, float_dtype=self.precision.input_dtype,
+        device = self.state.device if self.device_placement else None
+        prepared = PreparedDataLoader(dataloader, device=device, world_size=self.state.num_processes,
+                                      rank=self.state.process_index, seed=seed, float_dtype=self.precision().input_dtype,
                                       on_iter=self.gradient_state._add_dataloader,
                                       on_end=self.gradient_state._remove_dataloader,
                                       non_blocking=config.non_blocking, resume_position=config.use_stateful_dataloader)

@@ -1,10 +1,11 @@
-"""The Accelerator's "which process runs this" API, under Hugging Face Accelerate's names.
+"""Which process runs this, under Hugging Face Accelerate's names: a part the Accelerator holds,
+and its ``state`` holds the same one (so ``accelerator.set_trigger()`` and
+``accelerator.state.set_trigger()`` raise one flag).
 
-Decorators (``on_main_process``, ``on_local_main_process``, ``on_last_process``,
-``on_process``, ``on_local_process``), ordered sections (``main_process_first``,
-``local_main_process_first``) and the cross-process trigger (``set_trigger`` /
-``check_trigger``), for any class with ``process_index``, ``local_process_index``,
-``num_processes`` and ``device``.
+Who this process is (``process_index``, ``num_processes``, ...), decorators
+(``on_main_process``, ``on_local_main_process``, ``on_last_process``, ``on_process``,
+``on_local_process``), ordered sections (``main_process_first``, ``local_main_process_first``)
+and the cross-process trigger (``set_trigger`` / ``check_trigger``).
 """
 
 from __future__ import annotations
@@ -18,16 +19,39 @@ import torch
 
 from mixprec.distributed import groups as D
 
-__all__ = ["ProcessAPI"]
+__all__ = ["PROCESS_API", "Processes", "expose"]
 
 
-class ProcessAPI:
-    """Mixin: run code on chosen processes, in order, or when any process asks for it."""
+class Processes:
+    """Run code on chosen processes, in order, or when any process asks for it.
 
-    process_index: int
-    local_process_index: int
-    num_processes: int
-    device: torch.device
+    Args:
+        info: this process's rank, local rank and the world size (from the launcher).
+        device: the device collectives' tensors go on (the trigger's all-reduce).
+
+    Example:
+        >>> from mixprec.distributed import ProcessInfo
+        >>> procs = Processes(ProcessInfo(rank=0, local_rank=0, world_size=1), torch.device("cpu"))
+        >>> procs.is_main_process, procs.check_trigger()
+        (True, False)
+    """
+
+    def __init__(self, info: D.ProcessInfo, device: torch.device) -> None:
+        self.info = info
+        self.device = device
+        self._trigger = False
+
+    @property
+    def process_index(self) -> int:
+        return self.info.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.info.local_rank
+
+    @property
+    def num_processes(self) -> int:
+        return self.info.world_size
 
     @property
     def is_main_process(self) -> bool:
@@ -107,7 +131,31 @@ class ProcessAPI:
     def check_trigger(self) -> bool:
         """Whether any process called :meth:`set_trigger` since the last check (an all-reduce;
         resets the flag). Use it to stop every process together, e.g. on a loss that went NaN."""
-        flag = torch.tensor(1.0 if getattr(self, "_trigger", False) else 0.0, device=self.device)
+        flag = torch.tensor(1.0 if self._trigger else 0.0, device=self.device)
         flag = D.reduce(flag, "sum")
         self._trigger = False
         return bool(flag.item() >= 1)
+
+
+#: What an Accelerator and its ``state`` show of their :class:`Processes` (Accelerate's names).
+PROCESS_API = ("process_index", "local_process_index", "num_processes", "is_main_process", "is_local_main_process",
+               "is_last_process", "wait_for_everyone", "print", "main_process_first", "local_main_process_first",
+               "on_main_process", "on_local_main_process", "on_last_process", "on_process", "on_local_process",
+               "set_trigger", "check_trigger")
+
+
+def expose(names: tuple[str, ...], part: str) -> Callable[[type], type]:
+    """Class decorator: each of ``names`` becomes a read-only property forwarding to the same name
+    of the part held in attribute ``part`` (its methods come back bound to the part)."""
+    def forward(name: str) -> property:
+        def get(self: Any) -> Any:
+            held = self.__dict__.get(part)
+            return getattr(held, name) if held is not None else self.__getattr__(name)
+        return property(get, doc=getattr(Processes, name).__doc__)
+
+    def decorate(cls: type) -> type:
+        for name in names:
+            if name not in cls.__dict__:  # what the class defines itself wins
+                setattr(cls, name, forward(name))
+        return cls
+    return decorate

@@ -1,8 +1,9 @@
 """``accelerator.state`` and ``accelerator.gradient_state``, under Hugging Face Accelerate's names.
 
 Accelerate keeps these in process-global singletons (every ``Accelerator`` of a process shares
-one); here each Accelerator owns its own, so two Accelerators with different settings do not
-change each other. The fields and the error after ``_reset_state()`` are Accelerate's.
+one); here each Accelerator owns its own, built from values (the :class:`Processes` part it
+shares with the Accelerator, the precision's name), so two Accelerators with different settings
+do not change each other. The fields and the error after ``_reset_state()`` are Accelerate's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mixprec.accelerator.processes import ProcessAPI
+from mixprec.accelerator.processes import PROCESS_API, Processes, expose
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState"]
 
@@ -40,29 +41,29 @@ class _State:
                              "called and an `Accelerator` was not reinitialized: build a new Accelerator")
 
 
-class AcceleratorState(_State, ProcessAPI):
+@expose(PROCESS_API, "_processes")
+class AcceleratorState(_State):
     """Who this process is and the run's precision: ``num_processes``, ``process_index``,
     ``local_process_index``, ``device``, ``distributed_type``, ``mixed_precision``, ``backend``,
     and, like Accelerate's, the process helpers (``is_main_process``, ``wait_for_everyone``,
-    ``on_main_process``, ...)."""
+    ``on_main_process``, ...), those of the :class:`Processes` it holds.
 
-    def __init__(self, accelerator: Any, device: torch.device) -> None:
-        p = accelerator._process
-        self._accelerator = accelerator
-        self.device = device
-        self.num_processes = p.world_size
-        self.process_index = p.rank
-        self.local_process_index = p.local_rank
-        self.backend = torch.distributed.get_backend() if p.is_distributed else None
-        if not p.is_distributed:
+    Args:
+        processes: this process among all of them (the Accelerator holds the same one).
+        mixed_precision: the precision in Accelerate's words (``"no"``, ``"fp16"``, ``"bf16"``);
+            the Accelerator sets it again when a run switches precision.
+    """
+
+    def __init__(self, processes: Processes, *, mixed_precision: str) -> None:
+        self._processes = processes
+        self.device = processes.device
+        self.mixed_precision = mixed_precision
+        distributed = processes.info.is_distributed
+        self.backend = torch.distributed.get_backend() if distributed else None
+        if not distributed:
             self.distributed_type = DistributedType.NO
         else:
-            self.distributed_type = DistributedType.MULTI_GPU if device.type == "cuda" else DistributedType.MULTI_CPU
-
-    @property
-    def mixed_precision(self) -> str:
-        """The precision in Accelerate's words (``"no"``, ``"fp16"``, ``"bf16"``)."""
-        return self._accelerator.mixed_precision
+            self.distributed_type = DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
 
     @property
     def use_distributed(self) -> bool:

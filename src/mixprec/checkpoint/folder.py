@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pickle
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -21,7 +23,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "CheckpointNotFoundError", "write_checkpoint", "verify_checkpoint", "load_tensor_file", "is_complete_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "commit_checkpoint", "is_complete_checkpoint", "load_tensor_file",
+           "numbered_checkpoints", "rotate_checkpoints", "staging_dir", "verify_checkpoint", "write_checkpoint"]
+
+log = logging.getLogger("mixprec")
 
 MANIFEST = "manifest.json"
 FORMAT = "mixprec-checkpoint-1"
@@ -120,6 +125,36 @@ def is_complete_checkpoint(path: str | os.PathLike) -> bool:
             return json.load(fh).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def numbered_checkpoints(root: str | os.PathLike, stem: str, *, complete: bool = True) -> list[Path]:
+    """The folders ``<stem><n>`` in ``root``, lowest ``n`` first (``stem``: the Trainer's
+    ``"checkpoint-"``, Accelerate's ``"checkpoint_"``). Staging folders of a save in progress or
+    interrupted are never listed; with ``complete``, only folders with a manifest are.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    pattern = re.compile(re.escape(stem) + r"(\d+)")
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := pattern.fullmatch(p.name)))
+    return [p for _, p in found if not complete or is_complete_checkpoint(p)]
+
+
+def rotate_checkpoints(root: str | os.PathLike, stem: str, limit: int | None, keep: tuple[Path, ...] = ()) -> None:
+    """Keep the newest ``limit`` complete ``<stem><n>`` folders of ``root`` and those in ``keep``
+    (the best one); delete the older ones and the staging folders that crashed saves left. Call
+    it after a save completed, so the newest complete checkpoint is never among those deleted."""
+    root = Path(root)
+    for stale in root.glob(f".{stem}*.tmp-*") if root.is_dir() else ():
+        shutil.rmtree(stale, ignore_errors=True)
+    if limit is None:
+        return
+    done = numbered_checkpoints(root, stem)
+    kept = set(done[len(done) - limit:] if limit else []) | {Path(k) for k in keep}
+    for old in done:
+        if old not in kept:
+            log.info("mixprec: deleting %s (a limit of %d checkpoints)", old, limit)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mixprec.distributed.fsdp import FullyShardedDataParallelPlugin
 from mixprec.hardware import default_device
 from mixprec.precision import BF16TrueConfig, canonical_precision
 
@@ -267,7 +268,6 @@ class TrainingArguments:
         """The :class:`~mixprec.FullyShardedDataParallelPlugin` that ``fsdp`` / ``fsdp_config`` ask for
         (``None`` without sharding): ``fsdp="full_shard"`` (or ``"shard_grad_op"``) with
         Hugging Face's ``fsdp_config`` keys (``transformer_layer_cls_to_wrap``, ...)."""
-        from mixprec.distributed.fsdp import plugin_from_training_args
 
         return plugin_from_training_args(self.fsdp, self.fsdp_config)
 
@@ -523,3 +523,28 @@ class TrainingArguments:
         if not isinstance(values, dict):
             raise ValueError(f"[{table}] in {path} must be a table of TrainingArguments fields")
         return cls.from_dict(values, source=f"[{table}] of {path}")
+
+
+def plugin_from_training_args(fsdp: Any, fsdp_config: Any) -> FullyShardedDataParallelPlugin | None:
+    """The plugin for Hugging Face's ``TrainingArguments(fsdp=..., fsdp_config=...)``.
+
+    ``fsdp``: ``""``/``None``/``False`` (no sharding), ``True``, or options separated by spaces (or
+    a list): ``"full_shard"`` (parameters resharded after forward), ``"shard_grad_op"`` (kept
+    gathered until backward), ``"auto_wrap"`` (the default here). ``fsdp_config``: a dict of the
+    plugin's fields under Hugging Face's names (``transformer_layer_cls_to_wrap``,
+    ``reshard_after_forward``, ``activation_checkpointing``, ...), with or without ``fsdp_``.
+    """
+    if fsdp in (None, "", False, []) and not fsdp_config:
+        return None
+    options = ["full_shard"] if fsdp is True else (fsdp.split() if isinstance(fsdp, str) else list(fsdp or []))
+    known = {"full_shard", "shard_grad_op", "auto_wrap"}
+    for opt in options:
+        if opt not in known:
+            why = {"offload": "CPU offload is not supported yet", "hybrid_shard": "one node is sharded as a whole",
+                   "hybrid_shard_zero2": "one node is sharded as a whole",
+                   "no_shard": "without sharding, run DDP: leave fsdp unset"}.get(opt, "unknown option")
+            raise ValueError(f"fsdp={fsdp!r}: {opt!r}: {why}; mixprec takes {sorted(known)}")
+    config = dict(fsdp_config or {})
+    if "shard_grad_op" in options:
+        config.setdefault("reshard_after_forward", False)
+    return FullyShardedDataParallelPlugin.from_config(config)

@@ -41,7 +41,7 @@ from mixprec.trainer.callbacks import (
 from mixprec.trainer.checkpoints import (
     checkpoint_to_resume,
     list_checkpoints,
-    rotate_checkpoints,
+    rotate_checkpoints_of,
     weights_file,
     write_trainer_checkpoint,
 )
@@ -615,7 +615,7 @@ class Trainer(EvaluationAPI, ExportAPI):
             files["training_args.bin"] = args_bin
         write_trainer_checkpoint(self.accelerator, path, self.accelerator.unwrap_model(self.model), files)
         if self.accelerator.is_main_process:
-            rotate_checkpoints(out, self.args.save_total_limit, self.state.best_model_checkpoint)
+            rotate_checkpoints_of(out, self.args.save_total_limit, self.state.best_model_checkpoint)
         self._event("on_save")
         return path
 
