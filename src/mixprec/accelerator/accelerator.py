@@ -8,6 +8,7 @@ different precisions may live in one process), and fp16 on the CPU is real.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -41,12 +42,19 @@ from mixprec.distributed.fsdp import FullyShardedDataParallelPlugin, is_sharded
 from mixprec.distributed.preemption import Preemption
 from mixprec.hardware import default_device
 from mixprec.nested import tree_map
-from mixprec.precision import BF16TrueConfig, PrecisionPlugin, PrecisionPolicy, make_plugin, resolve_precision
+from mixprec.precision import (
+    PrecisionConfig,
+    PrecisionPlugin,
+    PrecisionPolicy,
+    make_plugin,
+    resolve_precision,
+)
 from mixprec.precision.fallback import fallback_target, log_fallback
 from mixprec.precision.scaler import LossScaleCollapse, LossScaler
 
 __all__ = ["Accelerator"]
 
+_PRECISION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PrecisionConfig)}
 _ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
 
 
@@ -97,6 +105,9 @@ class Accelerator:
             ``skipped_steps``, no host sync with fused optimizers, one found-inf read per step in
             bf16-true; ``max_consecutive_skips`` in ``loss_scaler=`` applies; ``"auto"``: where the
             precision has it). fp16 always skips them. Off by default, as in Accelerate.
+        precision_config: a :class:`~mixprec.precision.PrecisionConfig` holding ``loss_scaler``,
+            ``skip_nonfinite_steps``, ``bf16_true_compensation``, ``bf16_true_state_dtype`` and
+            ``on_loss_scale_collapse`` in one object (then leave those arguments out).
         step_scheduler_with_optimizer: a prepared scheduler steps with its optimizer, as many
             times per call as there are processes (a schedule written for one process's count
             of batches then ends on time), unless ``split_batches``. ``False``: it steps once
@@ -122,7 +133,7 @@ class Accelerator:
                  gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
                  step_scheduler_with_optimizer: bool = True,
                  fsdp_plugin: FullyShardedDataParallelPlugin | dict | None = None,
-                 skip_nonfinite_steps: bool | str = False) -> None:
+                 skip_nonfinite_steps: bool | str = False, precision_config: PrecisionConfig | None = None) -> None:
         plugin = gradient_accumulation_plugin
         if plugin is not None:
             plugin = coerce_config(plugin, GradientAccumulationPlugin, "gradient_accumulation_plugin")
@@ -137,13 +148,19 @@ class Accelerator:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
         if ddp_comm_hook not in (None, "fp16", "bf16"):
             raise ValueError(f"ddp_comm_hook must be None, 'fp16' or 'bf16', got {ddp_comm_hook!r}")
-        if on_loss_scale_collapse not in ("raise", "fallback"):
-            raise ValueError(f"on_loss_scale_collapse must be 'raise' or 'fallback', got {on_loss_scale_collapse!r}")
+        given = {"loss_scaler": loss_scaler, "skip_nonfinite_steps": skip_nonfinite_steps,
+                 "bf16_true_compensation": bf16_true_compensation, "bf16_true_state_dtype": bf16_true_state_dtype,
+                 "on_loss_scale_collapse": on_loss_scale_collapse}
+        if precision_config is None:
+            precision_config = PrecisionConfig(**given)
+        elif changed := [k for k, v in given.items() if v != _PRECISION_DEFAULTS[k]]:
+            raise ValueError(f"give precision_config= or its fields ({', '.join(changed)}), not both: set them in "
+                             "the PrecisionConfig")
+        #: What the precision does beyond its name (loss scaler, inf/NaN guard, bf16-true's optimizer).
+        self.precision_config = precision_config
         if not isinstance(compile, (bool, dict)):
             raise TypeError(f"compile must be True/False or a dict of torch.compile arguments, got {type(compile).__name__}")
-        self.bf16_true = BF16TrueConfig(compensation=bf16_true_compensation, state_dtype=bf16_true_state_dtype)
         self.diagnostics = DiagnosticsConfig.coerce(diagnostics)
-        self.on_loss_scale_collapse = on_loss_scale_collapse
         self.dataloader_config = coerce_config(dataloader_config, DataLoaderConfiguration, "dataloader_config")
         self.dataloader_config.split_batches = self.dataloader_config.split_batches or split_batches
         self.project_configuration = coerce_config(project_config, ProjectConfiguration, "project_config")
@@ -167,10 +184,8 @@ class Accelerator:
         #: Which process this is among all of them, and what runs where (a part; ``state`` holds it too).
         self.processes = Processes(info, device)
         policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", device)
-        self.skip_nonfinite_steps = skip_nonfinite_steps
         #: What the run's precision does (read at call time by the prepared models and optimizers).
-        self.precision: PrecisionPlugin = make_plugin(policy, device, loss_scaler=loss_scaler,
-                                                      bf16_true=self.bf16_true, skip_nonfinite_steps=skip_nonfinite_steps)
+        self.precision: PrecisionPlugin = make_plugin(policy, device, precision_config)
         #: Who this process is (Accelerate's ``accelerator.state``; this Accelerator's own, not global).
         self.state = AcceleratorState(self.processes, mixed_precision=_ACCELERATE_NAMES[policy.name])
         #: Gradient accumulation as the loop sees it (Accelerate's ``accelerator.gradient_state``).
@@ -601,7 +616,7 @@ class Accelerator:
                 wrapped.mark_skipped()
             blame = self.monitor.blame() if self.monitor is not None else \
                 "turn on diagnostics (trace_overflow=True) to name the overflowing module"
-            if self.on_loss_scale_collapse == "raise":
+            if self.precision_config.on_loss_scale_collapse == "raise":
                 raise LossScaleCollapse(f"{error} Tracer: {blame}.") from None
             # The skipped steps changed neither the parameters nor the optimizer state: they are
             # the last applied state already. Drop the overflowing gradients and switch precision.
@@ -617,8 +632,8 @@ class Accelerator:
         """Run the rest of training in ``name``: one assignment, which every prepared model and
         optimizer reads at its next call."""
         self.precision.release()
-        self.precision = make_plugin(name, self.device, bf16_true=self.bf16_true,
-                                     skip_nonfinite_steps=self.skip_nonfinite_steps)
+        # The loss scaler stays behind: the precisions a run falls back to need none.
+        self.precision = make_plugin(name, self.device, self.precision_config.replace(loss_scaler=None))
         self.state.mixed_precision = _ACCELERATE_NAMES[self.precision.policy.name]
         for o in self.prepared.optimizers:
             self.precision.track_optimizer(o.optimizer)

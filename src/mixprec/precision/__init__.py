@@ -2,33 +2,40 @@
 
 ``resolve_precision(name)`` gives the :class:`PrecisionPolicy` (what a precision is);
 ``make_plugin(name, device)`` gives the :class:`PrecisionPlugin` (what it does): ``fp32``,
-``mixed`` (fp16/bf16 autocast and the loss scaler's lifecycle) and ``bf16_true``.
+``mixed`` (fp16/bf16 autocast) and ``bf16_true``; a :class:`PrecisionConfig` says what it does
+beyond its name (the loss scaler's options, the inf/NaN guard, bf16-true's compensation). Also
+here: the loss scaler, the precision fallback, bf16-true's casts and compensated optimizers.
 """
 
-from mixprec.precision.base import PrecisionPlugin, PrecisionPolicy
-from mixprec.precision.bf16_true import BF16TrueConfig, BF16TruePrecision, GuardedBF16TruePrecision
+from mixprec.precision.base import NONFINITE_GUARD, PrecisionPlugin
+from mixprec.precision.bf16_true import BF16TruePrecision
+from mixprec.precision.config import PrecisionConfig
 from mixprec.precision.fp32 import FP32Precision
 from mixprec.precision.mixed import MixedPrecision
 from mixprec.precision.names import (
     CANONICAL_PRECISIONS,
     PrecisionPerformanceWarning,
+    PrecisionPolicy,
     canonical_precision,
-    make_plugin,
     policy_for,
     precision_names,
     resolve_precision,
 )
+from mixprec.precision.registry import PLUGINS, make_plugin
+from mixprec.precision.scaled_steps import ScaledSteps
 
 __all__ = [
-    "BF16TrueConfig",
     "BF16TruePrecision",
     "CANONICAL_PRECISIONS",
     "FP32Precision",
-    "GuardedBF16TruePrecision",
     "MixedPrecision",
+    "NONFINITE_GUARD",
+    "PLUGINS",
+    "PrecisionConfig",
     "PrecisionPerformanceWarning",
     "PrecisionPlugin",
     "PrecisionPolicy",
+    "ScaledSteps",
     "canonical_precision",
     "make_plugin",
     "policy_for",

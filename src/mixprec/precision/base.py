@@ -1,76 +1,30 @@
-"""What a precision is (:class:`PrecisionPolicy`) and what it does (:class:`PrecisionPlugin`).
+"""What a precision does (:class:`PrecisionPlugin`; what it *is*, :class:`PrecisionPolicy`, is in
+:mod:`mixprec.precision.names`).
 
 A plugin is asked at call time by everything that runs a training step (the prepared model's
 forward, ``Accelerator.backward``, the prepared optimizer's ``step``, ``clip_grad_norm_``,
 ``save_state``), so switching a run to another precision is one assignment of the plugin. The
 base class is the fp32 behaviour: every hook a no-op or the plain torch call, and a precision
-overrides only what it changes (Lightning Fabric's ``plugins/precision`` is the shape).
+overrides only what it changes (Lightning Fabric's ``plugins/precision`` is the shape). Where the
+loss is scaled, or steps with inf/NaN gradients are skipped, the plugin holds a
+:class:`~mixprec.precision.scaled_steps.ScaledSteps` and hands it the step: the same component
+for fp16's loss scaler and for any precision's inf/NaN guard (a scaler pinned to 1).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["PrecisionPolicy", "PrecisionPlugin"]
+from mixprec.precision.config import PrecisionConfig
+from mixprec.precision.names import PrecisionPolicy
+from mixprec.precision.scaled_steps import ScaledSteps
+from mixprec.precision.scaler import LossScaler
 
-
-@dataclass(frozen=True, kw_only=True)
-class PrecisionPolicy:
-    """What a precision means for compute, storage and loss scaling.
-
-    Build one with :func:`~mixprec.resolve_precision`; the fields are the row of the names table.
-
-    Args:
-        name: the canonical name (``"fp32"``, ``"fp16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"``).
-        compute_dtype: the dtype matrix products run in.
-        param_dtype: the dtype the parameters are stored in.
-        optimizer_state_dtype: the dtype of the optimizer's moment buffers.
-        autocast_enabled: whether the forward runs under ``torch.autocast``.
-        needs_loss_scaler: whether a dynamic loss scaler is required (fp16's narrow range).
-        requested: the name as the user wrote it (``"auto"``, ``"fp16"``, ...).
-        reason: why this policy was chosen (filled in for ``auto``).
-
-    Example:
-        >>> from mixprec import resolve_precision
-        >>> with resolve_precision("bf16").autocast("cpu"):
-        ...     y = torch.ones(2, 2) @ torch.ones(2, 2)
-        >>> y.dtype
-        torch.bfloat16
-    """
-
-    name: str
-    compute_dtype: torch.dtype
-    param_dtype: torch.dtype
-    optimizer_state_dtype: torch.dtype
-    autocast_enabled: bool
-    needs_loss_scaler: bool
-    requested: str = ""
-    reason: str = ""
-
-    def __post_init__(self) -> None:
-        from mixprec.precision.names import check_concrete  # the names table knows which names exist
-
-        check_concrete(self.name)
-
-    @property
-    def is_low_precision(self) -> bool:
-        """Whether any compute runs in a 16-bit dtype."""
-        return self.compute_dtype != torch.float32
-
-    def autocast(self, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
-        """A context manager that runs its body in this policy's compute precision on ``device``.
-
-        For policies without autocast (``fp32``, ``bf16-true``) this is a no-op context, so it
-        never disables an autocast region the caller opened outside it.
-        """
-        if not self.autocast_enabled:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=torch.device(device).type, dtype=self.compute_dtype)
+__all__ = ["PrecisionPlugin"]
 
 
 class PrecisionPlugin:
@@ -82,9 +36,8 @@ class PrecisionPlugin:
     Args:
         policy: the resolved policy.
         device: the device the run trains on.
-        loss_scaler: a :class:`~mixprec.LossScaler` or a dict of its arguments (only precisions
-            that scale the loss accept one).
-        bf16_true: bf16-true's options (:class:`~mixprec.precision.BF16TrueConfig`); others ignore it.
+        config: what the precision does beyond its name (the loss scaler's options, the inf/NaN
+            guard, bf16-true's compensation); each plugin reads what concerns it.
 
     Example:
         >>> from mixprec.precision import make_plugin
@@ -95,20 +48,35 @@ class PrecisionPlugin:
         >>> plugin.backward(loss)
     """
 
-    def __init__(self, policy: PrecisionPolicy, device: str | torch.device, *, loss_scaler: Any = None,
-                 bf16_true: Any = None) -> None:
-        if loss_scaler is not None:
-            raise ValueError(
-                f"a loss scaler does nothing for {policy.name}: fp32's and bf16's range need no scaling; "
-                "drop loss_scaler, or use mixed_precision='fp16'"
-            )
+    #: Whether this precision takes a loss scaler it does not need (bf16-mixed may opt in).
+    accepts_loss_scaler = False
+
+    def __init__(self, policy: PrecisionPolicy, device: str | torch.device, config: PrecisionConfig | None = None) -> None:
         self.policy = policy
         self.device = torch.device(device)
+        self.config = config if config is not None else PrecisionConfig()
+        self._scaler = self._make_scaler(self.config)
+        #: The step when the loss is scaled or inf/NaN steps are skipped (``None``: plain torch calls).
+        self.steps = ScaledSteps(self._scaler) if self._scaler is not None and self._scaler.is_enabled() else None
+
+    def _make_scaler(self, config: PrecisionConfig) -> LossScaler | None:
+        given = config.loss_scaler
+        if self.policy.needs_loss_scaler or (given is not None and self.accepts_loss_scaler and not config.guards_nonfinite):
+            return given if isinstance(given, LossScaler) else LossScaler(self.device.type, **(given or {}))
+        if config.guards_nonfinite:
+            if isinstance(given, LossScaler):
+                return given
+            # The loss scaler's inf/NaN check and skip, at a scale pinned to 1: nothing is scaled.
+            return LossScaler(self.device.type, **{**(given or {}), **NONFINITE_GUARD})
+        if given is not None:
+            raise ValueError(f"a loss scaler does nothing for {self.policy.name}: fp32's and bf16's range need no "
+                             "scaling; drop loss_scaler, or use mixed_precision='fp16'")
+        return None
 
     @property
-    def scaler(self) -> Any:
+    def scaler(self) -> LossScaler | None:
         """The loss scaler, or ``None`` where this precision has none."""
-        return None
+        return self._scaler
 
     # -- model and inputs ---------------------------------------------------------------
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -134,14 +102,20 @@ class PrecisionPlugin:
 
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Take part in ``optimizer``'s iterations (called once, when it is prepared)."""
+        if self.steps is not None:
+            self.steps.track_optimizer(optimizer)
 
     # -- the step -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)``, scaled where the precision needs it."""
+        if self.steps is not None:
+            return self.steps.backward(loss, **kwargs)
         loss.backward(**kwargs)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring ``optimizer``'s gradients to their true values, once per iteration."""
+        if self.steps is not None:
+            self.steps.unscale_gradients(optimizer)
 
     def clip_gradients(self, parameters: list[torch.Tensor], optimizers: Iterable[torch.optim.Optimizer],
                        max_norm: float | None = None, norm_type: float = 2.0,
@@ -159,34 +133,42 @@ class PrecisionPlugin:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
         """Step ``optimizer`` (or skip it, where the precision checks for inf/NaN)."""
+        if self.steps is not None:
+            return self.steps.optimizer_step(optimizer, closure)
         return optimizer.step(closure) if closure is not None else optimizer.step()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """Clear ``optimizer``'s gradients."""
+        if self.steps is not None:
+            return self.steps.zero_grad(optimizer, set_to_none)
         optimizer.zero_grad(set_to_none=set_to_none)
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer``'s last step was skipped for inf/NaN gradients."""
-        return False
+        """Whether ``optimizer``'s last step was skipped for inf/NaN gradients (may sync)."""
+        return self.steps is not None and self.steps.step_was_skipped(optimizer)
 
     def skipped_steps(self, optimizer: torch.optim.Optimizer) -> int:
-        """How many of ``optimizer``'s steps were skipped for inf/NaN gradients."""
-        return 0
+        """How many of ``optimizer``'s steps were skipped for inf/NaN gradients (syncs)."""
+        return self.steps.skipped_steps(optimizer) if self.steps is not None else 0
 
     def skip_flag(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
         """Whether ``optimizer``'s last step was skipped, without a sync: a ``bool`` where the host
         knows it, else a 0-dim device tensor, non-zero when skipped (read it later, e.g. once per log)."""
-        return False
+        return self.steps.skip_flag(optimizer) if self.steps is not None else False
 
     def grads_scaled_by(self, optimizer: torch.optim.Optimizer) -> Any:
         """What ``optimizer``'s gradients are multiplied by right now (``None``: their true values)."""
-        return None
+        return self.steps.grads_scaled_by(optimizer) if self.steps is not None else None
 
     def finish_iteration(self) -> None:
         """Close an iteration left open (before a checkpoint: held gradients are not saved)."""
+        if self.steps is not None:
+            self.steps.finish_iteration()
 
     def release(self) -> None:
         """Undo what this plugin attached to the run (when the run switches to another precision)."""
+        if self.steps is not None:
+            self.steps.release()
 
     @property
     def optimizer_state_dtype(self) -> torch.dtype | None:
@@ -207,7 +189,8 @@ class PrecisionPlugin:
 
     def forget_optimizers(self) -> None:
         """Stop tracking every optimizer (``Accelerator.free_memory``: the next run prepares new ones)."""
-        self.release()
+        if self.steps is not None:
+            self.steps.forget_optimizers()
 
     # -- reporting and checkpoints ----------------------------------------------------------
     def fallback_precision(self, native_bf16: bool) -> str | None:
@@ -215,15 +198,24 @@ class PrecisionPlugin:
         return None
 
     def log_values(self) -> dict[str, Any]:
-        """Values for a training log line (the loss scale and skips, where there is a scaler)."""
-        return {}
+        """Values for a training log line (the loss scale and skips, where there is a scaler; syncs)."""
+        return self._scaler_values() if self._scaler is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
         """This precision's state to checkpoint (the loss scaler's)."""
-        return {}
+        return self._scaler.state_dict() if self._scaler is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+        if self._scaler is not None and state:
+            self._scaler.load_state_dict(state)
+
+    def _scaler_values(self) -> dict[str, Any]:
+        return {"loss_scale": self._scaler.get_scale(), "skipped_steps": self._scaler.skipped_steps}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.policy.name!r}, device={str(self.device)!r})"
+
+
+#: A loss scaler that only guards: its scale is pinned to 1, so it checks for inf/NaN and skips.
+NONFINITE_GUARD = {"init_scale": 1.0, "min_scale": 1.0, "max_scale": 1.0}

@@ -2,7 +2,8 @@
 inputs cast to bf16, and the user's fresh ``torch.optim.AdamW`` / ``SGD`` swapped for its
 compensated twin (:mod:`mixprec.precision.optim`) so that updates smaller than bf16's resolution
 of the weights are not lost. No autocast, no loss scaler; the inf/NaN guard
-(``skip_nonfinite_steps``) is a component the plugin holds (:class:`~mixprec.precision.guard.NonfiniteGuard`).
+(``skip_nonfinite_steps``) is a component the plugin holds
+(:class:`~mixprec.precision.scaled_steps.ScaledSteps` with a scaler pinned to 1).
 
 Which layers stay fp32: normalisation layers are where bf16 hurts most: their gains sit near 1
 and scale every activation that passes (bf16's spacing there is 2**-7), and their statistics
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,11 +30,10 @@ from torch import nn
 
 from mixprec.data import send_to_device
 from mixprec.nested import tree_map
-from mixprec.precision.base import PrecisionPlugin, PrecisionPolicy
-from mixprec.precision.mixed import MixedPrecision
-from mixprec.precision.optim.compensated import COMPENSATIONS, STATE_DTYPE_NAMES, compensated_for_bf16
+from mixprec.precision.base import PrecisionPlugin
+from mixprec.precision.optim.compensated import compensated_for_bf16
 
-__all__ = ["BF16TrueConfig", "BF16TruePrecision", "GuardedBF16TruePrecision", "cast_for_bf16_true", "fp32_modules_rule"]
+__all__ = ["BF16TruePrecision", "cast_for_bf16_true", "fp32_modules_rule"]
 
 # _NormBase is the common base of BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm* and their
 # Lazy variants; torch exposes no public base class for them.
@@ -194,45 +193,24 @@ def cast_for_bf16_true(model: nn.Module, keep_fp32: Callable[[nn.Module], bool] 
     return model
 
 
-@dataclass(frozen=True, kw_only=True)
-class BF16TrueConfig:
-    """bf16-true's optimizer options, validated once for the Accelerator, the Trainer and the bench.
-
-    Args:
-        compensation: ``"kahan"`` (default: a bf16 buffer keeps what rounding dropped),
-            ``"stochastic"`` (unbiased random rounding) or ``"none"`` (the user's optimizer as
-            it is: small updates are then lost).
-        state_dtype: the compensated optimizer's moments: ``torch.float32`` (default) or
-            ``torch.bfloat16`` (half the optimizer memory); ``"fp32"``/``"bf16"`` are accepted.
-
-    Example:
-        >>> BF16TrueConfig(state_dtype="bf16").state_dtype
-        torch.bfloat16
-    """
-
-    compensation: str = "kahan"
-    state_dtype: torch.dtype | str = torch.float32
-
-    def __post_init__(self) -> None:
-        if self.compensation not in COMPENSATIONS:
-            raise ValueError(f"bf16_true_compensation must be one of {', '.join(map(repr, COMPENSATIONS))}, "
-                             f"got {self.compensation!r}")
-        dtype = STATE_DTYPE_NAMES.get(self.state_dtype, self.state_dtype) if isinstance(self.state_dtype, str) \
-            else self.state_dtype
-        if dtype not in STATE_DTYPE_NAMES.values():
-            raise ValueError(f"bf16_true_state_dtype={self.state_dtype!r} is not valid; choose one of: 'fp32', 'bf16' "
-                             "(torch.float32 or torch.bfloat16: the compensated optimizer's moments)")
-        object.__setattr__(self, "state_dtype", dtype)
-
-
 class BF16TruePrecision(PrecisionPlugin):
     """bf16 storage and compute, fp32-kept norms, a compensated optimizer update.
+
+    With ``skip_nonfinite_steps`` the plugin holds the inf/NaN guard (the loss scaler's check and
+    skip at a scale pinned to 1: nothing is scaled). A skipped step leaves the weights, the
+    moments, the Kahan buffers and the step count as they were; it is counted in
+    ``skipped_steps``, and ``max_consecutive_skips`` applies. That costs one host sync per step:
+    the compensated optimizer has no fused, scale-aware ``step`` (torch's ``fused=True``
+    optimizers take the found-inf flag on the device), so deciding whether to call ``step()``
+    reads the flag once, as ``torch.amp.GradScaler`` does for any optimizer without one. On the
+    CPU that read is no device synchronisation at all.
 
     Args:
         policy: the resolved bf16-true policy.
         device: the device the run trains on.
-        loss_scaler: refused (bf16 has fp32's range).
-        bf16_true: a :class:`BF16TrueConfig` (default: Kahan compensation, fp32 moments).
+        config: a :class:`~mixprec.precision.PrecisionConfig`: ``bf16_true_compensation``
+            (default Kahan), ``bf16_true_state_dtype`` (default fp32 moments), the guard; a loss
+            scaler is refused without the guard (bf16 has fp32's range).
 
     Example:
         >>> from mixprec.precision import make_plugin
@@ -243,16 +221,12 @@ class BF16TruePrecision(PrecisionPlugin):
         (torch.bfloat16, 'mixprec.precision.optim.compensated')
     """
 
-    def __init__(self, policy: PrecisionPolicy, device: str | torch.device, *, loss_scaler: Any = None,
-                 bf16_true: BF16TrueConfig | None = None) -> None:
-        super().__init__(policy, device, loss_scaler=loss_scaler)
-        self.config = bf16_true if bf16_true is not None else BF16TrueConfig()
-
     @property
     def optimizer_state_dtype(self) -> torch.dtype | None:
         """The compensated optimizer's ``state_dtype``; without compensation torch's own optimizer
         keeps the moments in the parameters' bf16."""
-        return self.config.state_dtype if self.config.compensation != "none" else self.policy.param_dtype
+        c = self.config
+        return c.bf16_true_state_dtype if c.bf16_true_compensation != "none" else self.policy.param_dtype
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         # bf16 everywhere but normalisation layers, whose statistics stay fp32.
@@ -266,44 +240,7 @@ class BF16TruePrecision(PrecisionPlugin):
         return send_to_device(data, self.device, float_dtype=self.policy.param_dtype)
 
     def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if self.config.compensation == "none":
+        c = self.config
+        if c.bf16_true_compensation == "none":
             return optimizer
-        return compensated_for_bf16(optimizer, self.config.compensation, self.config.state_dtype)
-
-
-class GuardedBF16TruePrecision(BF16TruePrecision, MixedPrecision):
-    """bf16-true that skips an optimizer step whose gradients hold inf/NaN (``skip_nonfinite_steps``).
-
-    bf16-true's model, inputs and compensated optimizer, with :class:`MixedPrecision`'s step: the
-    loss scaler's inf/NaN check (``_amp_foreach_non_finite_check_and_unscale_``, bf16 gradients
-    included) and skip, at a scale pinned to 1 (:data:`~mixprec.precision.names.NONFINITE_GUARD`),
-    so the loss and gradients are multiplied by 1 and nothing else changes. A skipped step leaves
-    the weights, the moments, the Kahan buffers and the step count as they were; it is counted in
-    ``skipped_steps``, and ``max_consecutive_skips`` applies.
-
-    One host sync per step: the compensated optimizer has no fused, scale-aware ``step`` (torch's
-    ``fused=True`` optimizers take the found-inf flag on the device), so deciding whether to call
-    ``step()`` reads the flag once, as ``torch.amp.GradScaler`` does for any optimizer without one.
-    On the CPU that read is no device synchronisation at all.
-
-    Args:
-        policy: the resolved bf16-true policy.
-        device: the device the run trains on.
-        loss_scaler: the guard's :class:`~mixprec.LossScaler` or a dict of its arguments
-            (:func:`~mixprec.precision.make_plugin` pins its scale to 1).
-        bf16_true: a :class:`BF16TrueConfig`.
-
-    Example:
-        >>> from mixprec.precision import make_plugin
-        >>> plugin = make_plugin("bf16-true", "cpu", skip_nonfinite_steps=True)
-        >>> model = plugin.convert_module(torch.nn.Linear(4, 1))
-        >>> opt = plugin.convert_optimizer(torch.optim.AdamW(model.parameters()))
-        >>> plugin.track_optimizer(opt)
-        >>> x = torch.randn(8, 4); x[0, 0] = float("nan")
-        >>> plugin.backward(model(plugin.convert_input(x)).float().pow(2).mean()); plugin.optimizer_step(opt)
-        >>> plugin.step_was_skipped(opt), bool(torch.isfinite(model.weight).all())
-        (True, True)
-    """
-
-    def fallback_precision(self, native_bf16: bool) -> str | None:
-        return None  # the guard only skips: a run of inf/NaN steps has no safer precision to switch to
+        return compensated_for_bf16(optimizer, c.bf16_true_compensation, c.bf16_true_state_dtype)

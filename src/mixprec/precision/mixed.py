@@ -1,28 +1,14 @@
-"""Mixed precision: the forward under ``torch.autocast`` in fp16 or bf16, fp32 parameters, and
-the loss scaler's whole lifecycle where the precision needs one (fp16; bf16 may opt in).
-
-The step, top to bottom: :meth:`backward` scales the loss; :meth:`unscale_gradients` divides an
-optimizer's gradients by the scale they carry, once; :meth:`clip_gradients` unscales, then clips;
-:meth:`optimizer_step` steps or skips on inf/NaN; :meth:`_close_iteration` updates the scale.
-
-One iteration, one update, whatever the number of optimizers (torch's "multiple models, losses
-and optimizers" recipe): the scale is updated once every prepared optimizer has stepped (or been
-skipped) since the last update, so a second optimizer is never unscaled by a scale its gradients
-were not made with. An optimizer that steps again before the others did (a critic stepped k
-times per generator step) closes the iteration first, as torch requires; gradients that other
-optimizers still hold then carry the old scale, and are multiplied by new/old (a power of two:
-exact) before they are unscaled or added to, so they too are unscaled by the scale they carry.
+"""Mixed precision: the forward under ``torch.autocast`` in fp16 or bf16, fp32 parameters, and the
+loss scaler where the precision needs one (fp16; bf16 may opt in). The scaler's whole lifecycle
+over the run's optimizers (scale, unscale once, step or skip, update once per iteration) is the
+:class:`~mixprec.precision.scaled_steps.ScaledSteps` the base plugin holds.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
 
-from mixprec.precision.base import PrecisionPlugin, PrecisionPolicy
-from mixprec.precision.scaler import LossScaler
+from mixprec.precision.base import PrecisionPlugin
 
 __all__ = ["MixedPrecision"]
 
@@ -33,9 +19,9 @@ class MixedPrecision(PrecisionPlugin):
     Args:
         policy: the resolved policy (its ``compute_dtype`` is autocast's).
         device: the device the run trains on.
-        loss_scaler: a :class:`~mixprec.LossScaler`, or a dict of its arguments. fp16 gets a
-            default one when ``None``; bf16 gets none unless asked.
-        bf16_true: ignored (bf16-true's options).
+        config: a :class:`~mixprec.precision.PrecisionConfig`; its ``loss_scaler`` (a
+            :class:`~mixprec.LossScaler` or a dict of its arguments): fp16 gets a default one
+            when ``None``; bf16 gets none unless asked.
 
     Example:
         >>> from mixprec.precision import make_plugin
@@ -50,207 +36,7 @@ class MixedPrecision(PrecisionPlugin):
         (False, 1024.0)
     """
 
-    def __init__(self, policy: PrecisionPolicy, device: str | torch.device, *,
-                 loss_scaler: LossScaler | dict | None = None, bf16_true: Any = None) -> None:
-        super().__init__(policy, device)
-        if loss_scaler is not None and not isinstance(loss_scaler, (LossScaler, dict)):
-            raise TypeError(f"loss_scaler must be a LossScaler or a dict of its arguments, got {type(loss_scaler).__name__}")
-        if isinstance(loss_scaler, LossScaler):
-            self._scaler: LossScaler | None = loss_scaler
-        elif loss_scaler is not None or policy.needs_loss_scaler:
-            self._scaler = LossScaler(self.device.type, **(loss_scaler or {}))
-        else:
-            self._scaler = None
-        self._active = self._scaler is not None and self._scaler.is_enabled()
-        self._optimizers: dict[int, torch.optim.Optimizer] = {}  # id -> optimizer, in prepare order
-        self._stepped: set[int] = set()  # stepped (or skipped) since the last update
-        self._fresh: set[int] = set()  # got gradients from a backward since their last step or zero_grad
-        self._carried: dict[int, torch.Tensor | None] = {}  # scale their gradients carry (None: unscaled)
-        self._flags: dict[int, list[Any]] = {}  # id -> [device found-inf flag, host answer or None]
-        self._skips: dict[int, torch.Tensor] = {}  # id -> skipped steps (device)
-        self._hooks: list[Any] = []
-        self._owner: dict[int, int] = {}  # id(parameter) -> id(optimizer), with several optimizers
-
-    @property
-    def scaler(self) -> LossScaler | None:
-        return self._scaler
-
-    def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._optimizers.setdefault(id(optimizer), optimizer)
-        if self._active and len(self._optimizers) == 2:
-            # With one optimizer every step closes the iteration; with several, knowing which
-            # hold fresh scaled gradients takes a hook per parameter (a set insert is all it does)
-            # and which a loss reaches, a map from parameter to optimizer.
-            for opt in self._optimizers.values():
-                self._watch(opt)
-        elif self._active and len(self._optimizers) > 2:
-            self._watch(optimizer)
-
-    def _watch(self, optimizer: torch.optim.Optimizer) -> None:
-        mark = functools.partial(_mark_fresh, self._fresh, id(optimizer))
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        self._hooks += [p.register_post_accumulate_grad_hook(mark) for p in params]
-        self._owner.update((id(p), id(optimizer)) for p in params)
-
-    # -- 1. scale and backward ---------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        if not self._active:
-            return loss.backward(**kwargs)
-        if self._stepped and self._starts_new_iteration(loss):
-            self._close_iteration()  # before scaling: the new gradients get the updated scale
-        for i in list(self._carried):  # new gradients are about to add to them: same scale first
-            self._bring_to_scale(self._optimizers[i])
-        self._scaler.scale(loss).backward(**kwargs)
-
-    def _starts_new_iteration(self, loss: torch.Tensor) -> bool:
-        """Whether ``loss`` reaches only optimizers that already stepped since the last update (a
-        critic's next step), not one still to step (a GAN's generator loss after the critic's
-        step). A walk of the autograd graph, made only while an iteration is half stepped."""
-        reaches_stepped, seen, todo = False, set(), [loss.grad_fn]
-        while todo:
-            node = todo.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            owner = self._owner.get(id(getattr(node, "variable", None)))
-            if owner is not None:
-                if owner not in self._stepped:
-                    return False
-                reaches_stepped = True
-            todo.extend(n for n, _ in node.next_functions)
-        return reaches_stepped
-
-    # -- 2. unscale, once per iteration ---------------------------------------------------------
-    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._active:
-            return
-        self._begin_step(optimizer)
-        if not self._scaler.is_unscaled(optimizer):
-            self._scaler.unscale_(optimizer)
-
-    # -- 3. clip: the base class unscales through unscale_gradients, then clips -----------
-
-    # -- 4. step or skip ---------------------------------------------------------------------
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
-        if not self._active:
-            return super().optimizer_step(optimizer, closure)
-        if closure is not None:
-            raise ValueError("closures are not supported with a loss scaler (torch.amp.GradScaler has the same limit)")
-        self._optimizers.setdefault(id(optimizer), optimizer)
-        self._begin_step(optimizer)
-        out = self._scaler.step(optimizer)  # unscales (unless done), checks for inf/NaN, steps or skips
-        flag, on_host = self._scaler.found_inf(optimizer)
-        self._flags[id(optimizer)] = [flag, on_host]
-        if flag is not None:
-            skips = self._skips.get(id(optimizer))
-            self._skips[id(optimizer)] = flag.to(torch.int64) if skips is None else skips.add_(flag.to(torch.int64))
-        self._stepped.add(id(optimizer))
-        self._fresh.discard(id(optimizer))
-        if self._stepped.issuperset(self._optimizers):
-            self._close_iteration()
-        return out
-
-    # -- 5. update the scale, once per iteration ----------------------------------------------
-    def _close_iteration(self) -> None:
-        """``update()``; gradients still held (fresh, or unscaled and not stepped) keep the scale
-        they carry, to be brought to the new one when next used. Raises LossScaleCollapse."""
-        scaler = self._scaler
-        held = [i for i, o in self._optimizers.items() if i not in self._carried and (
-            i in self._fresh or (scaler.is_unscaled(o) and not scaler.has_stepped(o)))]
-        old = scaler.get_scale_tensor().clone() if held else None
-        # Unscaled and not stepped: true values. Fresh after a step: scaled again, by ``old``.
-        unscaled = {i for i in held if scaler.is_unscaled(self._optimizers[i]) and i not in self._fresh}
-        self._stepped.clear()
-        for i in held:
-            self._carried[i] = None if i in unscaled else old
-        scaler.update()
-
-    def _begin_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # A second unscale or step of this optimizer since the last update starts a new iteration.
-        if id(optimizer) in self._stepped:
-            self._close_iteration()
-        self._bring_to_scale(optimizer)
-
-    def _bring_to_scale(self, optimizer: torch.optim.Optimizer) -> None:
-        if id(optimizer) not in self._carried:
-            return
-        carried = self._carried.pop(id(optimizer))
-        now = self._scaler.get_scale_tensor()
-        factor = now if carried is None else now / carried
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(factor.to(p.grad.device))
-
-    def finish_iteration(self) -> None:
-        if self._active and self._stepped:
-            self._close_iteration()
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        optimizer.zero_grad(set_to_none=set_to_none)
-        self._carried.pop(id(optimizer), None)
-        self._fresh.discard(id(optimizer))
-
-    # -- what happened ------------------------------------------------------------------------
-    def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer``'s last step was skipped. Syncs, unless its step already read the flag."""
-        flag = self._flags.get(id(optimizer))
-        if flag is None or flag[0] is None:
-            return False
-        if flag[1] is None and len(self._optimizers) == 1:
-            # Its iteration's own answer: known on the host after a collapse check's read.
-            flag[1] = not self._scaler.last_step_applied
-        if flag[1] is None:
-            flag[1] = bool(flag[0].item())
-        return flag[1]
-
-    def skip_flag(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
-        """``optimizer``'s last found-inf flag as the host knows it (a read already made), else the
-        device tensor itself. No sync."""
-        flag = self._flags.get(id(optimizer))
-        if flag is None or flag[0] is None:
-            return False
-        return flag[1] if flag[1] is not None else flag[0]
-
-    def skipped_steps(self, optimizer: torch.optim.Optimizer) -> int:
-        """``optimizer``'s skipped steps. Syncs."""
-        skips = self._skips.get(id(optimizer))
-        return 0 if skips is None else int(skips.item())
-
-    def grads_scaled_by(self, optimizer: torch.optim.Optimizer) -> Any:
-        if not self._active or self._scaler.is_unscaled(optimizer):
-            return None
-        return self._scaler
+    accepts_loss_scaler = True
 
     def fallback_precision(self, native_bf16: bool) -> str | None:
-        if self.policy.compute_dtype == torch.float32:
-            return None  # an fp32 run guarded against inf/NaN has nothing safer to switch to
         return "bf16-mixed" if native_bf16 and self.policy.compute_dtype == torch.float16 else "fp32"
-
-    def log_values(self) -> dict[str, Any]:
-        """The loss scale and the skipped steps (syncs); nothing without a scaler."""
-        if self._scaler is None:
-            return {}
-        return {"loss_scale": self._scaler.get_scale(), "skipped_steps": self._scaler.skipped_steps}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._scaler.state_dict() if self._scaler is not None else {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self._scaler is not None and state:
-            self._scaler.load_state_dict(state)
-
-    def release(self) -> None:
-        """Remove the parameter hooks (when the run switches to another precision)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-
-    def forget_optimizers(self) -> None:
-        self.release()
-        for table in (self._optimizers, self._stepped, self._fresh, self._carried, self._flags, self._skips, self._owner):
-            table.clear()
-
-
-def _mark_fresh(fresh: set[int], key: int, param: torch.Tensor) -> None:
-    fresh.add(key)

@@ -1,27 +1,25 @@
-"""Precision names: the one table of them, and the one function that resolves a name.
+"""Precision names: the one table of them, what a precision is (:class:`PrecisionPolicy`), and the
+one function that resolves a name.
 
-``resolve_precision`` turns a name into a :class:`PrecisionPolicy`; ``make_plugin`` turns it into
-the plugin that carries the precision out. Adding a precision is one row here and one plugin file.
+``resolve_precision`` turns a name into a :class:`PrecisionPolicy`; ``make_plugin``
+(:mod:`mixprec.precision.registry`) turns it into the plugin that carries the precision out.
+Adding a precision is one row here, one plugin file and one entry in the registry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from mixprec.hardware import choose_auto, detect_capability
-from mixprec.precision.base import PrecisionPlugin, PrecisionPolicy
-from mixprec.precision.bf16_true import BF16TruePrecision, GuardedBF16TruePrecision
-from mixprec.precision.fp32 import FP32Precision
-from mixprec.precision.mixed import MixedPrecision
 
 __all__ = [
     "PrecisionPerformanceWarning",
+    "PrecisionPolicy",
     "resolve_precision",
-    "make_plugin",
     "policy_for",
     "precision_names",
     "canonical_precision",
@@ -36,7 +34,6 @@ class PrecisionPerformanceWarning(UserWarning):
 @dataclass(frozen=True)
 class _Row:
     aliases: tuple[str, ...]
-    plugin: type[PrecisionPlugin]
     compute_dtype: torch.dtype
     param_dtype: torch.dtype
     autocast_enabled: bool
@@ -44,12 +41,12 @@ class _Row:
 
 
 _f32, _f16, _b16 = torch.float32, torch.float16, torch.bfloat16
-# canonical name: aliases, plugin, compute dtype, parameter dtype, autocast, loss scaler.
+# canonical name: aliases, compute dtype, parameter dtype, autocast, loss scaler.
 _TABLE: dict[str, _Row] = {
-    "fp32": _Row(("no", "32", "32-true", "fp32-true"), FP32Precision, _f32, _f32, False, False),
-    "fp16-mixed": _Row(("fp16", "16", "16-mixed"), MixedPrecision, _f16, _f32, True, True),
-    "bf16-mixed": _Row(("bf16",), MixedPrecision, _b16, _f32, True, False),
-    "bf16-true": _Row((), BF16TruePrecision, _b16, _b16, False, False),
+    "fp32": _Row(("no", "32", "32-true", "fp32-true"), _f32, _f32, False, False),
+    "fp16-mixed": _Row(("fp16", "16", "16-mixed"), _f16, _f32, True, True),
+    "bf16-mixed": _Row(("bf16",), _b16, _f32, True, False),
+    "bf16-true": _Row((), _b16, _b16, False, False),
 }
 CANONICAL_PRECISIONS = (*_TABLE, "auto")
 _ALIASES = {alias: canon for canon, row in _TABLE.items() for alias in (canon, *row.aliases)} | {"auto": "auto"}
@@ -77,6 +74,58 @@ def check_concrete(name: str) -> None:
             f"PrecisionPolicy.name must be a concrete canonical name, got {name!r}; "
             f"build policies with resolve_precision(name). Valid names: {_valid_names_text()}"
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionPolicy:
+    """What a precision means for compute, storage and loss scaling.
+
+    Build one with :func:`~mixprec.resolve_precision`; the fields are the row of the names table.
+
+    Args:
+        name: the canonical name (``"fp32"``, ``"fp16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"``).
+        compute_dtype: the dtype matrix products run in.
+        param_dtype: the dtype the parameters are stored in.
+        optimizer_state_dtype: the dtype of the optimizer's moment buffers.
+        autocast_enabled: whether the forward runs under ``torch.autocast``.
+        needs_loss_scaler: whether a dynamic loss scaler is required (fp16's narrow range).
+        requested: the name as the user wrote it (``"auto"``, ``"fp16"``, ...).
+        reason: why this policy was chosen (filled in for ``auto``).
+
+    Example:
+        >>> from mixprec import resolve_precision
+        >>> with resolve_precision("bf16").autocast("cpu"):
+        ...     y = torch.ones(2, 2) @ torch.ones(2, 2)
+        >>> y.dtype
+        torch.bfloat16
+    """
+
+    name: str
+    compute_dtype: torch.dtype
+    param_dtype: torch.dtype
+    optimizer_state_dtype: torch.dtype
+    autocast_enabled: bool
+    needs_loss_scaler: bool
+    requested: str = ""
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        check_concrete(self.name)
+
+    @property
+    def is_low_precision(self) -> bool:
+        """Whether any compute runs in a 16-bit dtype."""
+        return self.compute_dtype != torch.float32
+
+    def autocast(self, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
+        """A context manager that runs its body in this policy's compute precision on ``device``.
+
+        For policies without autocast (``fp32``, ``bf16-true``) this is a no-op context, so it
+        never disables an autocast region the caller opened outside it.
+        """
+        if not self.autocast_enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=torch.device(device).type, dtype=self.compute_dtype)
 
 
 def canonical_precision(name: object) -> str:
@@ -156,38 +205,3 @@ def policy_for(name: str, *, requested: str = "", reason: str = "") -> Precision
     return PrecisionPolicy(name=canon, requested=requested or str(name), reason=reason,
                            compute_dtype=row.compute_dtype, param_dtype=row.param_dtype, optimizer_state_dtype=_f32,
                            autocast_enabled=row.autocast_enabled, needs_loss_scaler=row.needs_loss_scaler)
-
-
-def make_plugin(precision: str | PrecisionPolicy, device: str | torch.device, **options: Any) -> PrecisionPlugin:
-    """The plugin that carries out ``precision`` on ``device``.
-
-    Args:
-        precision: a name, alias or :class:`PrecisionPolicy`.
-        device: the device the run trains on.
-        **options: the plugin's options: ``loss_scaler`` (a :class:`~mixprec.LossScaler` or a dict
-            of its arguments; refused by precisions that need none), ``bf16_true`` (a
-            :class:`~mixprec.precision.BF16TrueConfig`), ``skip_nonfinite_steps`` (fp32, bf16-mixed
-            and bf16-true: skip a step whose gradients hold inf/NaN, with the loss scaler's check
-            at a scale of 1; fp16 always does; ``"auto"``: likewise, every precision has it now).
-
-    Example:
-        >>> type(make_plugin("bf16", "cpu")).__name__
-        'MixedPrecision'
-    """
-    policy = resolve_precision(precision, device)
-    guard = options.pop("skip_nonfinite_steps", False)
-    cls = _TABLE[policy.name].plugin
-    if guard and not policy.needs_loss_scaler:
-        scaler = options.get("loss_scaler")
-        if scaler is None or isinstance(scaler, dict):
-            # The loss scaler's inf/NaN check and skip, at a scale pinned to 1: nothing is scaled.
-            options["loss_scaler"] = {**(scaler or {}), **NONFINITE_GUARD}
-        return _GUARDED.get(cls, MixedPrecision)(policy, device, **options)
-    return cls(policy, device, **options)
-
-
-# The plugin that adds the inf/NaN guard to a precision's own (the others get MixedPrecision's step).
-_GUARDED: dict[type[PrecisionPlugin], type[PrecisionPlugin]] = {BF16TruePrecision: GuardedBF16TruePrecision}
-
-#: A loss scaler that only guards: its scale is pinned to 1, so it checks for inf/NaN and skips.
-NONFINITE_GUARD = {"init_scale": 1.0, "min_scale": 1.0, "max_scale": 1.0}

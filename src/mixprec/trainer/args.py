@@ -16,7 +16,7 @@ import torch
 
 from mixprec.distributed.fsdp import FullyShardedDataParallelPlugin
 from mixprec.hardware import default_device
-from mixprec.precision import BF16TrueConfig, canonical_precision
+from mixprec.precision import PrecisionConfig, canonical_precision
 
 __all__ = ["TrainingArguments"]
 
@@ -307,7 +307,7 @@ class TrainingArguments:
         _one_of("train_sampling_strategy", self.train_sampling_strategy, _SAMPLING)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
         _one_of("on_save_error", self.on_save_error, ("raise", "warn"))
-        self.bf16_true  # noqa: B018 - validates bf16_true_compensation and bf16_true_state_dtype
+        self.precision_config  # noqa: B018 - validates the precision's options together
         for name in ("diagnostics_steps", "drift_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -448,9 +448,14 @@ class TrainingArguments:
 
     # -- derived ---------------------------------------------------------------------------
     @property
-    def bf16_true(self) -> BF16TrueConfig:
-        """bf16-true's optimizer options, validated (``bf16_true_compensation``, ``bf16_true_state_dtype``)."""
-        return BF16TrueConfig(compensation=self.bf16_true_compensation, state_dtype=self.bf16_true_state_dtype)
+    def precision_config(self) -> PrecisionConfig:
+        """The precision's options in one validated object (``loss_scaler``, ``skip_nonfinite_steps``
+        (``None``: ``"auto"``), ``bf16_true_compensation``, ``bf16_true_state_dtype``,
+        ``on_loss_scale_collapse``), as the Accelerator takes them."""
+        return PrecisionConfig(loss_scaler=self.loss_scaler, on_loss_scale_collapse=self.on_loss_scale_collapse,
+                               skip_nonfinite_steps="auto" if self.skip_nonfinite_steps is None else self.skip_nonfinite_steps,
+                               bf16_true_compensation=self.bf16_true_compensation,
+                               bf16_true_state_dtype=self.bf16_true_state_dtype)
 
     @property
     def resolved_precision(self) -> str:

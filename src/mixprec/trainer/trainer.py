@@ -163,13 +163,9 @@ class Trainer(EvaluationAPI, ExportAPI):
         a = self.args
         self.accelerator = Accelerator(
             mixed_precision=a.resolved_precision, gradient_accumulation_steps=a.gradient_accumulation_steps,
-            cpu=a.use_cpu, loss_scaler=a.loss_scaler, on_loss_scale_collapse=a.on_loss_scale_collapse,
-            compile=a.torch_compile, bf16_true_compensation=a.bf16_true_compensation,
-            bf16_true_state_dtype=a.bf16_true_state_dtype,
+            cpu=a.use_cpu, precision_config=a.precision_config, compile=a.torch_compile,
             # The Trainer resumes mid-epoch from the loader's saved position (it never skips batches itself).
             dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
-            # fp32/bf16 skip inf/NaN steps as fp16 does; None: wherever the precision can
-            skip_nonfinite_steps="auto" if a.skip_nonfinite_steps is None else a.skip_nonfinite_steps,
             fsdp_plugin=a.fsdp_plugin,  # FSDP2 under torchrun when TrainingArguments(fsdp="full_shard")
             diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps, trace_overflow=a.trace_overflow,
                                           drift_every=a.drift_steps))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from mixprec.precision import BF16TrueConfig, canonical_precision
+from mixprec.precision import PrecisionConfig, canonical_precision
 from mixprec.precision.optim import COMPENSATIONS
 from mixprec.tasks import PYCODE_SIZES, TASKS, Task, TaskEntry, load_task
 
@@ -114,7 +114,7 @@ class BenchConfig:
             raise ValueError(f"bf16_true_compensation is empty; name at least one of {', '.join(COMPENSATIONS)}")
         object.__setattr__(self, "bf16_true_compensation", comps)
         for comp in comps:  # bf16-true's one validation (the Accelerator's and TrainingArguments' too)
-            BF16TrueConfig(compensation=comp, state_dtype=self.bf16_true_state_dtype)
+            PrecisionConfig(bf16_true_compensation=comp, bf16_true_state_dtype=self.bf16_true_state_dtype)
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if self.device is not None:
