@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
@@ -13,7 +12,7 @@ import torch
 from mixprec.models import call_model, extract_logits, extract_loss
 from mixprec.nested import tree_leaves, tree_map
 
-__all__ = ["EvalPrediction", "EvaluationAPI", "PredictionOutput", "evaluation_loop", "predict_batch"]
+__all__ = ["EvalPrediction", "PredictionOutput", "evaluation_loop", "nested_concat", "predict_batch", "to_numpy"]
 
 
 class EvalPrediction(NamedTuple):
@@ -136,61 +135,6 @@ def _labels(inputs: Any, names: list[str]) -> Any:
 
 def _cpu(x: Any) -> Any:
     return tree_map(lambda t: t.detach().cpu(), x)
-
-
-class EvaluationAPI:
-    """The Trainer's evaluation methods (a mixin of :class:`~mixprec.Trainer`, whose state it reads):
-    ``evaluate``, ``predict`` and the ``prediction_step`` a subclass may override."""
-
-    # -- evaluation ------------------------------------------------------------------------
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
-                 metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss and ``compute_metrics`` on the eval set(s); logged and passed to ``on_evaluate``.
-        ``eval_dataset`` may name one of a dict of eval datasets (its metrics get the name too)."""
-        if isinstance(eval_dataset, str):
-            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
-                raise ValueError(f"evaluate(eval_dataset={eval_dataset!r}): a name needs the Trainer's eval_dataset "
-                                 "to be a dict holding it")
-            return self.evaluate(self.eval_dataset[eval_dataset], ignore_keys, f"{metric_key_prefix}_{eval_dataset}")
-        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if isinstance(ds, dict):
-            metrics: dict[str, float] = {}
-            for name, part in ds.items():
-                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        out = self._run_evaluation(self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix)
-        self.log(out.metrics)
-        self._event("on_evaluate", metrics=out.metrics)
-        return out.metrics
-
-    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
-                metric_key_prefix: str = "test") -> PredictionOutput:
-        """Predictions (numpy), labels (where present) and metrics on ``test_dataset``."""
-        out = self._run_evaluation(self.get_test_dataloader(test_dataset), ignore_keys, metric_key_prefix)
-        self._event("on_predict", metrics=out.metrics)
-        return out
-
-    def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str) -> PredictionOutput:
-        self.callback_handler.eval_dataloader = dl
-        return evaluation_loop(self, dl, ignore_keys, prefix,
-                               on_step=lambda: self._event("on_prediction_step"),
-                               prediction_loss_only=self.args.prediction_loss_only,
-                               batch_metrics=self.args.batch_eval_metrics)
-
-    def prediction_step(self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
-                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
-        """``(loss, logits, labels)`` of one evaluation batch, without gradients (override to change
-        what evaluation computes; ``logits`` is everything the model returned but the loss)."""
-        with self._eval_autocast():
-            return predict_batch(self, model, inputs, prediction_loss_only, ignore_keys)
-
-    def _eval_autocast(self) -> Any:
-        # fp16_full_eval / bf16_full_eval: evaluation computes in that dtype. mixprec autocasts
-        # instead of casting the weights (Hugging Face's .half()), so training can go on after it.
-        if self.args.fp16_full_eval or self.args.bf16_full_eval:
-            dtype = torch.float16 if self.args.fp16_full_eval else torch.bfloat16
-            return torch.autocast(self.accelerator.device.type, dtype=dtype)
-        return contextlib.nullcontext()
 
 
 def _pad_cat(parts: list[torch.Tensor], pad: int = -100) -> torch.Tensor:

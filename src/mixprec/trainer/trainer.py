@@ -46,15 +46,18 @@ from mixprec.trainer.checkpoints import (
     write_trainer_checkpoint,
 )
 from mixprec.trainer.datasets import collate, model_input_names, prepare_dataset
-from mixprec.trainer.evaluation import EvalPrediction, EvaluationAPI, PredictionOutput
-from mixprec.trainer.export import ExportAPI
+from mixprec.trainer.evaluation import EvalPrediction, PredictionOutput, evaluation_loop, predict_batch
+from mixprec.trainer.export import args_bin, save_model_files
 from mixprec.trainer.nonfinite import SkipRecorder, find_nonfinite_inputs
 from mixprec.trainer.reporters import (
     JsonlLoggerCallback,
     PrinterCallback,
     ProgressCallback,
     TensorBoardCallback,
+    format_metrics,
+    print_metrics,
     trim_logs_after,
+    write_metrics,
 )
 from mixprec.trainer.schedules import build_optimizer, get_scheduler
 from mixprec.trainer.trainer_state import TrainerControl, TrainerState, export_states
@@ -76,7 +79,7 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer(EvaluationAPI, ExportAPI):
+class Trainer:
     """Train, evaluate and checkpoint a model, in mixed precision, in one call.
 
     Hugging Face's arguments, in Hugging Face's order:
@@ -607,8 +610,8 @@ class Trainer(EvaluationAPI, ExportAPI):
         files = {"trainer_state.json": self.state.to_json_string(),
                  "mixprec_trainer_state.json": self.state.mixprec_json_string(),
                  "training_args.json": self.args.to_json_string()}
-        if args_bin := self._args_bin():
-            files["training_args.bin"] = args_bin
+        if pickled := args_bin(self.args):
+            files["training_args.bin"] = pickled
         write_trainer_checkpoint(self.accelerator, path, self.accelerator.unwrap_model(self.model), files)
         if self.accelerator.is_main_process:
             rotate_checkpoints_of(out, self.args.save_total_limit, self.state.best_model_checkpoint)
@@ -645,3 +648,80 @@ class Trainer(EvaluationAPI, ExportAPI):
         """Not supported: run your search library's loop around ``Trainer(model_init=...).train()``."""
         raise NotImplementedError("Trainer.hyperparameter_search is not supported by mixprec; call train() from "
                                   "your search library's objective (model_init builds a fresh model each time)")
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss and ``compute_metrics`` on the eval set(s); logged and passed to ``on_evaluate``.
+        ``eval_dataset`` may name one of a dict of eval datasets (its metrics get the name too)."""
+        if isinstance(eval_dataset, str):
+            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
+                raise ValueError(f"evaluate(eval_dataset={eval_dataset!r}): a name needs the Trainer's eval_dataset "
+                                 "to be a dict holding it")
+            return self.evaluate(self.eval_dataset[eval_dataset], ignore_keys, f"{metric_key_prefix}_{eval_dataset}")
+        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(ds, dict):
+            metrics: dict[str, float] = {}
+            for name, part in ds.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        out = self._run_evaluation(self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix)
+        self.log(out.metrics)
+        self._event("on_evaluate", metrics=out.metrics)
+        return out.metrics
+
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        """Predictions (numpy), labels (where present) and metrics on ``test_dataset``."""
+        out = self._run_evaluation(self.get_test_dataloader(test_dataset), ignore_keys, metric_key_prefix)
+        self._event("on_predict", metrics=out.metrics)
+        return out
+
+    def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str) -> PredictionOutput:
+        self.callback_handler.eval_dataloader = dl
+        return evaluation_loop(self, dl, ignore_keys, prefix,
+                               on_step=lambda: self._event("on_prediction_step"),
+                               prediction_loss_only=self.args.prediction_loss_only,
+                               batch_metrics=self.args.batch_eval_metrics)
+
+    def prediction_step(self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        """``(loss, logits, labels)`` of one evaluation batch, without gradients (override to change
+        what evaluation computes; ``logits`` is everything the model returned but the loss)."""
+        with self._eval_autocast():
+            return predict_batch(self, model, inputs, prediction_loss_only, ignore_keys)
+
+    def _eval_autocast(self) -> Any:
+        # fp16_full_eval / bf16_full_eval: evaluation computes in that dtype. mixprec autocasts
+        # instead of casting the weights (Hugging Face's .half()), so training can go on after it.
+        if self.args.fp16_full_eval or self.args.bf16_full_eval:
+            dtype = torch.float16 if self.args.fp16_full_eval else torch.bfloat16
+            return torch.autocast(self.accelerator.device.type, dtype=dtype)
+        return contextlib.nullcontext()
+
+    # -- the way out --------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> Path:
+        """Save the model's weights (safetensors; ``save_pretrained`` for Hugging Face models) and
+        the arguments (``training_args.json``, and ``training_args.bin`` as Hugging Face writes it)."""
+        return save_model_files(self.accelerator, self.model, self.args, self.processing_class,
+                                Path(output_dir or self.args.output_dir))
+
+    def save_state(self) -> None:
+        """Write ``trainer_state.json`` into ``output_dir`` (main process only), as Hugging Face does."""
+        if self.accelerator.is_main_process:
+            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+            self.state.save_to_json(Path(self.args.output_dir) / "trainer_state.json")
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print ``metrics`` readably under ``***** {split} metrics *****`` (main process only)."""
+        if self.accelerator.is_main_process:
+            print_metrics(split, metrics)
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """Write ``output_dir/{split}_results.json`` (and merge into ``all_results.json``)."""
+        if self.accelerator.is_main_process:
+            write_metrics(self.args.output_dir, split, metrics, combined)
+
+    def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """``metrics`` made readable (runtimes as h:mm:ss, floats to 4 digits)."""
+        return format_metrics(metrics)
