@@ -1,0 +1,82 @@
+"""What the house's structure promises: one trigger flag, one PrecisionConfig, the guard a component,
+one commit per Trainer checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec.checkpoint.folder as folder
+from mixprec import Accelerator, Trainer, TrainingArguments
+from mixprec.precision import FP32Precision, MixedPrecision, PrecisionConfig, make_plugin
+from mixprec.precision.bf16_true import BF16TruePrecision
+
+
+def test_set_trigger_on_the_accelerator_or_its_state_raises_one_flag():
+    acc = Accelerator(cpu=True)
+    acc.state.set_trigger()
+    assert acc.check_trigger() and not acc.state.check_trigger()  # one flag, reset by the one check
+    acc.set_trigger()
+    assert acc.state.check_trigger() and not acc.check_trigger()
+
+
+def test_the_accelerators_parts_are_held_not_inherited():
+    acc = Accelerator(cpu=True)
+    assert type(acc).__mro__ == (Accelerator, object) and type(acc.state).__mro__[-1] is object
+    assert acc.state._processes is acc.processes and acc.checkpointer.prepared is acc.prepared is acc.preparer.prepared
+    assert Trainer.__mro__ == (Trainer, object)
+
+
+@pytest.mark.parametrize("precision, cls", [("fp32", FP32Precision), ("bf16-mixed", MixedPrecision),
+                                            ("bf16-true", BF16TruePrecision)])
+def test_the_nonfinite_guard_is_a_component_of_each_precisions_own_plugin(precision, cls):
+    plugin = make_plugin(precision, "cpu", skip_nonfinite_steps=True, loss_scaler={"max_consecutive_skips": 3})
+    assert type(plugin) is cls and plugin.steps is not None
+    assert plugin.scaler.get_scale() == 1.0 and plugin.scaler.state_dict()["max_consecutive_skips"] == 3
+    assert make_plugin(precision, "cpu").steps is None
+
+
+def test_one_precision_config_is_taken_by_the_accelerator_and_training_arguments(tmp_path):
+    config = PrecisionConfig(skip_nonfinite_steps=True, bf16_true_state_dtype="bf16", on_loss_scale_collapse="fallback")
+    acc = Accelerator(mixed_precision="bf16-true", cpu=True, precision_config=config)
+    assert acc.precision.config is config and acc.precision.optimizer_state_dtype == torch.bfloat16
+    args = TrainingArguments(output_dir=str(tmp_path), precision="bf16-true", skip_nonfinite_steps=True,
+                             bf16_true_state_dtype="bf16", on_loss_scale_collapse="fallback")
+    assert args.precision_config == config
+    with pytest.raises(ValueError, match="not both"):
+        Accelerator(cpu=True, precision_config=config, skip_nonfinite_steps=True)
+    with pytest.raises(ValueError, match="bf16_true_compensation must be one of 'kahan', 'stochastic', 'none'"):
+        PrecisionConfig(bf16_true_compensation="kahn")
+
+
+def test_a_trainer_checkpoint_is_committed_once_with_hugging_faces_names(tmp_path, monkeypatch):
+    commits = []
+    real = folder.commit_checkpoint
+    monkeypatch.setattr("mixprec.accelerator.checkpointer.commit_checkpoint",
+                        lambda tmp, final, meta=None: commits.append(final) or real(tmp, final, meta))
+    model = torch.nn.Linear(4, 1)
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.full((4,), float(i)), torch.tensor([float(i)])
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x, y):
+            return torch.nn.functional.mse_loss(self.inner(x), y)
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, save_steps=2, per_device_train_batch_size=4,
+                             report_to="none", disable_tqdm=True, use_cpu=True)
+    Trainer(model=Loss(), args=args, train_dataset=Data()).train()
+    ckpt = tmp_path / "checkpoint-2"
+    assert commits == [ckpt]
+    files = folder.verify_checkpoint(ckpt)  # the Hugging Face names are in the one manifest
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "model_0.safetensors"} <= set(files)
+    assert (ckpt / "model.safetensors").stat().st_ino == (ckpt / "model_0.safetensors").stat().st_ino
+    assert not list(tmp_path.glob(".checkpoint-*"))
