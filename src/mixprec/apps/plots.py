@@ -17,7 +17,7 @@ from typing import Any
 
 from mixprec.diagnostics.limits import FORMAT_LIMITS
 
-__all__ = ["plot_loss_curves", "plot_loss_scale", "plot_gradient_histogram", "plot_layer_underflow"]
+__all__ = ["plot_loss_curves", "plot_loss_scale", "plot_gradient_histogram", "plot_layer_underflow", "plot_bench_result"]
 
 
 def _figure(figsize: tuple[float, float], panels: int = 1) -> tuple[Any, Any]:
@@ -194,3 +194,45 @@ def plot_layer_underflow(layers: list[dict[str, Any]], path: str | Path, *, scal
     ax.set_xlim(0, max(0.01, top * 1.3))
     return _save(fig, ax, path, title=title, xlabel="fraction of the layer's gradient values flushed to zero (worst step)",
                  ylabel="layer (module path)", legend={"loc": "lower right", "fontsize": 8}, grid={"axis": "x"})
+
+
+_BLUE, _ORANGE, _GREEN = "#4c72b0", "#dd8452", "#55a868"
+
+
+def plot_bench_result(result: dict[str, Any], path: Path) -> None:
+    """A two-panel bar chart: throughput speed-up and peak memory per precision."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    ok = {n: r for n, r in result["results"].items() if r.get("status") == "ok"}
+    names = list(ok)
+    fig = Figure(figsize=(max(8.0, 1.6 * len(names) + 4), 4.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    speed = [ok[n]["speedup"] or 0.0 for n in names]
+    bars = left.bar(names, speed, color=[_BLUE if ok[n]["runner"] == "mixprec" else _ORANGE for n in names])
+    left.bar_label(bars, labels=[f"{s:.2f}x" for s in speed], padding=2)
+    left.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    left.set_title(f"Throughput speed-up over {result['baseline'] or 'the baseline'}")
+    left.set_xlabel("precision")
+    left.set_ylabel("speed-up (x, higher is faster)")
+    if any(ok[n]["runner"] != "mixprec" for n in names):
+        left.legend(handles=[Patch(color=_BLUE, label="mixprec.Accelerator"), Patch(color=_ORANGE, label="compared")],
+                    loc="upper left", fontsize="small")
+    mem_names = [n for n in names if ok[n].get("peak_memory_bytes") is not None]
+    mem = [ok[n]["peak_memory_bytes"] / 2**20 for n in mem_names]
+    bars = right.bar(mem_names, mem, color=_GREEN)
+    right.bar_label(bars, labels=[f"{m:.0f}" for m in mem], padding=2)
+    if not mem_names:
+        right.text(0.5, 0.5, "not measured", ha="center", va="center", transform=right.transAxes)
+        right.set_yticks([])
+        right.set_xticks([])
+    right.set_title("Peak tensor memory of training")
+    right.set_xlabel("precision")
+    right.set_ylabel("peak memory (MiB)")
+    for ax in (left, right):
+        for label in ax.get_xticklabels():
+            label.set(rotation=20, ha="right", rotation_mode="anchor")
+        ax.margins(y=0.3 if ax is left else 0.15)
+    machine = result["machine"]
+    fig.suptitle(f"mixprec bench: {result['task']['name']} on {machine['device']} ({machine['device_name']})")
+    fig.savefig(path, dpi=120)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mixprec.apps.demo import demo_task, train_in_fresh_process
 from mixprec.tasks import TASKS
 
 EXAMPLES = """Examples:
@@ -43,117 +43,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="run folder (default: runs/demo-<time>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
-
-
-class _StepTimer:
-    """Times optimizer steps on a clock that leaves out evaluations and checkpoints, so that the
-    seconds are training's own: ``intervals`` (step end to step end) for the throughput, and
-    ``seconds`` (step -> training seconds when it ended) for the loss-against-time plot."""
-
-    def __new__(cls):
-        from mixprec.trainer import TrainerCallback
-
-        class Timer(TrainerCallback):
-            def __init__(self):
-                self.intervals, self.seconds, self._clock = [], {}, 0.0
-                self._last = self._begin = None
-                self._paused = False
-
-            def on_train_begin(self, args, state, control, **kwargs):
-                self._last = time.perf_counter()
-
-            def on_step_begin(self, args, state, control, **kwargs):
-                self._begin = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                now = time.perf_counter()
-                if self._paused:  # an evaluation or a save ran since the last step: count this step alone
-                    self._clock += now - self._begin
-                else:
-                    self.intervals.append(now - self._last)
-                    self._clock += now - self._last
-                self.seconds[state.global_step] = self._clock
-                self._last, self._paused = now, False
-
-            def on_evaluate(self, args, state, control, **kwargs):
-                self._paused = True
-
-            def on_save(self, args, state, control, **kwargs):
-                self._paused = True
-
-        return Timer()
-
-
-def _task(size: str, train_bytes: int | None, eval_bytes: int | None) -> Any:
-    from mixprec.tasks import get_task
-
-    options = {k: v for k, v in (("max_bytes", train_bytes), ("eval_max_bytes", eval_bytes)) if v}
-    return get_task("pycode", size, **options)
-
-
-def _train(size: str, data: tuple[int | None, int | None], precision: str, steps: int, out: str, batch_size: int,
-           progress: bool) -> dict[str, Any]:
-    """One training run, meant to run in a fresh process so its peak memory is its own."""
-    import resource
-    import statistics
-    import warnings
-
-    from mixprec.precision import PrecisionPerformanceWarning
-
-    warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # the parent process said it once already
-    from mixprec.trainer import PrinterCallback, Trainer, TrainingArguments
-    from mixprec.trainer.checkpoints import list_checkpoints
-
-    task = _task(size, *data)
-    targs = TrainingArguments(
-        output_dir=out, precision=precision, max_steps=steps, per_device_train_batch_size=batch_size,
-        per_device_eval_batch_size=32, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=min(50, steps // 10),
-        weight_decay=0.1, optim="adamw_torch_fused", eval_strategy="steps", eval_steps=max(1, steps // 4),
-        save_strategy="steps", save_steps=steps, logging_steps=max(1, steps // 50), seed=0, disable_tqdm=not progress)
-    torch.manual_seed(0)
-    timer = _StepTimer()
-    trainer = Trainer(model=task.build_model(), args=targs, train_dataset=task.train_dataset,
-                      eval_dataset=task.eval_dataset, data_collator=task.collate_fn, compute_metrics=task.compute_metrics,
-                      preprocess_logits_for_metrics=task.preprocess_logits_for_metrics, callbacks=[timer])
-    if not progress:
-        trainer.remove_callback(PrinterCallback)  # the demo's own lines say what a log would
-    device = trainer.accelerator.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    result = trainer.train()
-    if device.type == "cuda":
-        peak, kind = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
-    else:
-        peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of the run's own process"
-    hist = trainer.state.log_history
-    scaler = trainer.accelerator.scaler
-    final_eval = [h for h in hist if "eval_loss" in h][-1]
-    step_s = statistics.median(timer.intervals) if timer.intervals else float("nan")
-    return {
-        "precision": trainer.accelerator.policy.name,
-        "steps": result.global_step,
-        "median_step_seconds": step_s,
-        "tokens_per_second": batch_size * task.train_dataset.block_size / step_s,
-        "peak_memory_mb": peak / 2**20,
-        "memory_kind": kind,
-        "final_eval_loss": final_eval["eval_loss"],
-        "final_bits_per_byte": final_eval.get("eval_bits_per_byte", final_eval["eval_loss"] / math.log(2)),
-        "training_seconds": timer.seconds.get(result.global_step, float("nan")),
-        "train": [(h["step"], h["loss"]) for h in hist if "loss" in h],
-        "eval": [(h["step"], h["eval_loss"]) for h in hist if "eval_loss" in h],
-        "seconds": timer.seconds,
-        "scale_history": [(i + 1, s, k) for i, (s, k) in enumerate(scaler.scale_history)] if scaler else None,
-        "skipped_steps": scaler.skipped_steps if scaler else 0,
-        "checkpoint": str(list_checkpoints(Path(out))[-1]),
-    }
-
-
-def _in_fresh_process(*args: Any) -> dict[str, Any]:
-    import concurrent.futures
-    import multiprocessing
-
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_train, *args).result()
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -186,14 +75,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"mixprec demo: pycode/{args.size}, mixed run in {policy.name}"
           + (f" ({policy.reason})" if policy.reason else "") + f", fp32 reference for {fp32_steps} steps")
     data = (args.train_bytes, args.eval_bytes)
-    task = _task(args.size, *data)
+    task = demo_task(args.size, *data)
     print(f"data: {len(task.train_dataset)} training blocks of {task.train_dataset.block_size} bytes from the "
           f"standard library's source; {len(task.eval_dataset)} validation blocks")
     # Each run in a fresh process: its peak memory is its own, not what an earlier run left.
     try:
-        reference = _in_fresh_process(args.size, data, "fp32", fp32_steps, str(out / "fp32"), args.batch_size,
+        reference = train_in_fresh_process(args.size, data, "fp32", fp32_steps, str(out / "fp32"), args.batch_size,
                                       not args.no_progress)
-        mixed = _in_fresh_process(args.size, data, policy.name, args.steps, str(out), args.batch_size,
+        mixed = train_in_fresh_process(args.size, data, policy.name, args.steps, str(out), args.batch_size,
                                   not args.no_progress)
     except ValueError as e:  # a setting the Trainer refuses (its message says the fix)
         print(f"mixprec demo: error: {e}", file=sys.stderr)
