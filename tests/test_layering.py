@@ -1,44 +1,53 @@
-"""The house's layers (DESIGN.md): every module imports only the layers below it, no import circle
-(function-local imports count), no module imports another's private name, few modules loose at the root."""
+"""The package's layers, read statically with ``ast``: every import counts (relative and function-local too)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-import mixprec
-
-SRC = Path(mixprec.__file__).parent
-# Top to bottom; each layer may import its own folder and the layers below it (a tuple is one level).
+SRC = Path(__file__).resolve().parents[1] / "src" / "mixprec"
+# Top to bottom: each layer may import its own folder and the layers strictly below (a tuple is one level).
 LAYERS = ["cli", "apps", "trainer", "accelerator", "tracking",
           ("precision", "checkpoint", "distributed", "diagnostics"), "tasks", "leaves"]
 LEAVES = {"models", "data", "nested", "hardware"}
-# Siblings of one level that may use each other (none, today).
-SIBLINGS: set[tuple[str, str]] = set()
+# Within that one level, which sibling each may import (none, today).
+SIBLINGS = {"precision": set(), "checkpoint": set(), "distributed": set(), "diagnostics": set()}
 
 
-def _name(path: Path) -> str:
-    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def _modules(root: Path) -> dict[str, Path]:
+    names = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
 
 
-def _imports(path: Path, module: str, known: set[str]) -> set[str]:
-    """The mixprec modules ``path`` imports, anywhere in it (relative and function-local included)."""
-    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    found = set()
+def _resolve(name: str, known: set[str], top: str) -> str | None:
+    """The longest known module ``name`` starts with; ``name`` itself if under ``top`` but unknown."""
+    parts = name.split(".")
+    if parts[0] != top:
+        return None
+    return next((".".join(parts[:i]) for i in range(len(parts), 1, -1) if ".".join(parts[:i]) in known), name)
+
+
+def _imports(path: Path, module: str, known: set[str], top: str) -> list[tuple[str, str | None]]:
+    """(module, name or None) for each package import anywhere in ``path``, relative ones resolved."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
+            found += [(m, None) for a in node.names if (m := _resolve(a.name, known, top))]
         elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-            mod = ".".join([*base, node.module] if node.module else base)
-            found |= {f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names}
-    return {m for m in found if m in known and m != module}
+            base = package[: len(package) - node.level + 1] if node.level else []
+            mod = _resolve(".".join([*base, node.module] if node.module else base), known, top)
+            for a in node.names if mod else ():
+                found.append((f"{mod}.{a.name}", None) if f"{mod}.{a.name}" in known else (mod, a.name))
+    return found
 
 
-def _graph() -> dict[str, set[str]]:
-    files = {_name(p): p for p in SRC.rglob("*.py")}
-    return {m: _imports(p, m, set(files)) for m, p in files.items()}
+def _graph(root: Path) -> dict[str, set[str]]:
+    files = _modules(root)
+    return {m: {t for t, _ in _imports(p, m, set(files), root.name)} - {m} for m, p in files.items()}
 
 
 def _layer(module: str) -> str:
@@ -46,31 +55,43 @@ def _layer(module: str) -> str:
     return "root" if len(parts) == 1 else "leaves" if parts[1] in LEAVES else parts[1]
 
 
-def _level(layer: str) -> int:
-    return next(i for i, entry in enumerate(LAYERS) if layer == entry or layer in entry)
+def _level(layer: str) -> int | None:
+    return next((i for i, entry in enumerate(LAYERS) if layer == entry or layer in entry), None)
+
+
+def _layering_violations(root: Path) -> list[str]:
+    files, bad = _modules(root), []
+    for module, imported in sorted(_graph(root).items()):
+        mine, where = _layer(module), files[module].relative_to(root.parent).as_posix()
+        if mine == "root":  # the package's __init__: the public face
+            continue
+        if _level(mine) is None:
+            bad.append(f"{where}: (its folder is in no layer)")
+        for other in sorted(imported):
+            theirs = _layer(other)
+            if theirs == mine or theirs in SIBLINGS.get(mine, ()):
+                continue
+            if theirs == "root" or _level(theirs) is None or _level(mine) is None or _level(theirs) <= _level(mine):
+                bad.append(f"{where}: {other}")
+    return bad
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not part.endswith("__")
 
 
 def test_every_module_imports_only_its_own_folder_and_the_layers_below():
-    bad = []
-    for module, imported in sorted(_graph().items()):
-        mine = _layer(module)
-        if mine == "root":  # mixprec/__init__.py: the public face
-            continue
-        for other in sorted(imported):
-            theirs = _layer(other)
-            if theirs == "root" or (theirs != mine and _level(theirs) <= _level(mine)
-                                    and (mine, theirs) not in SIBLINGS):
-                bad.append(f"{module} -> {other}")
-    assert not bad, f"imports against the layers: {bad}"
+    bad = _layering_violations(SRC)
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
 
 
-def test_there_is_no_import_circle():
-    graph, index, low, stack, cycles = _graph(), {}, {}, [], []
+def test_there_is_no_import_circle_among_the_packages_modules():
+    graph, index, low, stack, cycles = _graph(SRC), {}, {}, [], []
 
     def visit(v: str) -> None:  # Tarjan's strongly connected components
         index[v] = low[v] = len(index)
         stack.append(v)
-        for w in graph[v]:
+        for w in sorted(graph.get(v, ())):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -80,25 +101,26 @@ def test_there_is_no_import_circle():
             part = stack[stack.index(v):]
             del stack[stack.index(v):]
             if len(part) > 1:
-                cycles.append(sorted(part))
+                cycles.append(" <-> ".join(sorted(part)))
 
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    assert not cycles, f"import circles: {cycles}"
+    assert not cycles, "import circles:\n" + "\n".join(cycles)
 
 
 def test_no_module_imports_another_modules_private_name():
-    bad = []
-    for path in SRC.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
-                bad += [f"{_name(path)}: {node.module}.{a.name}" for a in node.names
-                        if a.name.startswith("_") and (node.level or (node.module or "").startswith("mixprec"))]
-            elif isinstance(node, ast.Import):
-                bad += [f"{_name(path)}: {a.name}" for a in node.names
-                        if a.name.startswith("mixprec") and any(p.startswith("_") for p in a.name.split("."))]
-    assert not bad, f"private names imported from another module: {bad}"
+    files, bad = _modules(SRC), []
+    for module, path in files.items():
+        where = path.relative_to(SRC.parent).as_posix()
+        for target, name in _imports(path, module, set(files), SRC.name):
+            parts = target.split(".")
+            # A private module may be used only inside the package that holds it.
+            bad += [f"{where}: {target}" for i, part in enumerate(parts)
+                    if _private(part) and not f"{module}.".startswith(".".join(parts[:i]) + ".")]
+            if name and _private(name) and target != module:
+                bad.append(f"{where}: {target}.{name}")
+    assert not bad, "private names imported from another module:\n" + "\n".join(sorted(set(bad)))
 
 
 def test_at_most_eight_modules_lie_loose_at_the_package_root():
@@ -106,11 +128,15 @@ def test_at_most_eight_modules_lie_loose_at_the_package_root():
     assert len(loose) <= 8, loose
 
 
-def test_the_check_sees_relative_and_function_local_imports(tmp_path, monkeypatch):
-    pkg = tmp_path / "mixprec" / "diagnostics"
-    pkg.mkdir(parents=True)
-    probe = pkg / "probe.py"
-    probe.write_text("from ..accelerator import Accelerator\ndef f():\n    from ..trainer.trainer import Trainer\n")
-    monkeypatch.setattr(f"{__name__}.SRC", tmp_path / "mixprec")
-    known = {"mixprec.accelerator", "mixprec.trainer.trainer", "mixprec.diagnostics.probe"}
-    assert _imports(probe, "mixprec.diagnostics.probe", known) == {"mixprec.accelerator", "mixprec.trainer.trainer"}
+def test_the_analyser_sees_relative_and_function_local_imports(tmp_path):
+    root = tmp_path / "mixprec"
+    for folder in ("diagnostics", "accelerator", "trainer"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "trainer" / "trainer.py").write_text("")
+    (root / "diagnostics" / "probe.py").write_text(
+        "from ..accelerator import Accelerator\ndef f():\n    from ..trainer import trainer\n")
+    assert _graph(root)["mixprec.diagnostics.probe"] == {"mixprec.accelerator", "mixprec.trainer.trainer"}
+    assert _layering_violations(root) == ["mixprec/diagnostics/probe.py: mixprec.accelerator",
+                                          "mixprec/diagnostics/probe.py: mixprec.trainer.trainer"]
