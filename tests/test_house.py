@@ -80,3 +80,11 @@ def test_a_trainer_checkpoint_is_committed_once_with_hugging_faces_names(tmp_pat
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "model_0.safetensors"} <= set(files)
     assert (ckpt / "model.safetensors").stat().st_ino == (ckpt / "model_0.safetensors").stat().st_ino
     assert not list(tmp_path.glob(".checkpoint-*"))
+
+
+def test_after_reset_state_the_accelerators_process_names_say_so():
+    acc = Accelerator(cpu=True)
+    acc.state._reset_state()
+    for name in ("num_processes", "process_index", "is_main_process", "wait_for_everyone", "set_trigger"):
+        with pytest.raises(AttributeError, match=r"_reset_state\(\)` was called"):
+            getattr(acc, name)

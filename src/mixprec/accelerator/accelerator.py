@@ -58,13 +58,15 @@ _PRECISION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PrecisionCo
 _ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
 
 
-@expose(PROCESS_API, "processes")
+@expose(PROCESS_API, "state")  # who am I, read from self.state as Accelerate's are
 class Accelerator:
     """Mixed precision, device placement and several processes for a training loop you write.
 
     The Accelerator holds its parts and hands each call to the one that does it: ``preparer``
     (:meth:`prepare` and its parts), ``checkpointer`` (:meth:`save_state`, :meth:`load_state`,
-    the model out), ``processes`` (which process runs what; ``state`` holds the same one), and
+    the model out), ``processes`` (which process runs what: ``state`` holds the same one, and the
+    process names, ``num_processes``, ``is_main_process``, ``wait_for_everyone``, ..., are read
+    through ``state`` as in Accelerate, so after ``state._reset_state()`` they say so), and
     ``precision``, the current precision plugin (the step).
 
     Args:
@@ -294,19 +296,6 @@ class Accelerator:
     def _custom_objects(self) -> list[Any]:
         return self.prepared.custom
 
-    # -- who am I (read from self.state, as Accelerate's are) ----------------------------
-    @property
-    def num_processes(self) -> int:
-        return self.state.num_processes
-
-    @property
-    def process_index(self) -> int:
-        return self.state.process_index
-
-    @property
-    def local_process_index(self) -> int:
-        return self.state.local_process_index
-
     @property
     def mixed_precision(self) -> str:
         """The precision in Accelerate's words: ``"no"``, ``"fp16"``, ``"bf16"`` (or ``"bf16-true"``)."""
@@ -458,7 +447,6 @@ class Accelerator:
             OSError: the checkpoint could not be written (a full disk, a file size limit, an I/O
                 error), naming it, the reason and the bytes it needs; nothing is left behind.
         """
-        self.checkpointer.wait()  # the previous one first: its meta is not this one's
         self.precision.finish_iteration()
         meta = {"step": self.step, "precision": self.policy.name, "optimizer_steps": self.optimizer_steps,
                 "precision_fallback": bool(self.precision_fallbacks)}
