@@ -31,8 +31,8 @@ from mixprec.checkpoint.folder import (
     CheckpointError,
     CheckpointNotFoundError,
     commit_checkpoint,
-    is_complete_checkpoint,
     load_tensor_file,
+    numbered_checkpoints,
     rng_state,
     rotate_checkpoints,
     set_rng_state,
@@ -155,7 +155,7 @@ class Checkpointer:
             return path
         if not self.project.automatic_checkpoint_naming:
             raise ValueError("load_state() needs an input_dir, or a project with automatic checkpoint naming")
-        done = [p for p in self.project.numbered_checkpoints() if is_complete_checkpoint(p)]
+        done = numbered_checkpoints(self.project.checkpoints_dir, "checkpoint_")  # complete ones
         if not done:
             raise CheckpointNotFoundError(f"no complete checkpoint under {self.project.checkpoints_dir}")
         return done[-1]

@@ -199,7 +199,9 @@ class PrecisionPlugin:
 
     def log_values(self) -> dict[str, Any]:
         """Values for a training log line (the loss scale and skips, where there is a scaler; syncs)."""
-        return self._scaler_values() if self._scaler is not None else {}
+        if self._scaler is None:
+            return {}
+        return {"loss_scale": self._scaler.get_scale(), "skipped_steps": self._scaler.skipped_steps}
 
     def state_dict(self) -> dict[str, Any]:
         """This precision's state to checkpoint (the loss scaler's)."""
@@ -209,9 +211,6 @@ class PrecisionPlugin:
         """Restore what :meth:`state_dict` returned."""
         if self._scaler is not None and state:
             self._scaler.load_state_dict(state)
-
-    def _scaler_values(self) -> dict[str, Any]:
-        return {"loss_scale": self._scaler.get_scale(), "skipped_steps": self._scaler.skipped_steps}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.policy.name!r}, device={str(self.device)!r})"
