@@ -203,7 +203,7 @@ class Accelerator:
         self.precision_fallbacks: list[dict[str, Any]] = []
         #: ``prepare`` and its parts.
         self.preparer = Preparer(
-            state=self.state, gradient_state=self.gradient_state, precision=self._current_precision,
+            state=self.state, gradient_state=self.gradient_state, current_precision=self._current_precision,
             prepared=self.prepared, audit=self.audit,
             optimizer_hooks=OptimizerHooks(step=self._step_optimizer, zero_grad=self._zero_grad,
                                            precision=self._current_precision),

@@ -82,7 +82,7 @@ class Preparer:
     Args:
         state: who this process is and its device.
         gradient_state: gradient accumulation as the loop sees it (the schedulers and dataloaders report to it).
-        precision: returns the run's current precision plugin (read at each call: a precision
+        current_precision: returns the run's current precision plugin (read at each call: a precision
             fallback is one assignment in the Accelerator).
         prepared: where the prepared objects are kept (what a checkpoint holds).
         audit: the precision audit, which watches each model's first step.
@@ -97,12 +97,12 @@ class Preparer:
     """
 
     def __init__(self, *, state: AcceleratorState, gradient_state: GradientState,
-                 precision: Callable[[], PrecisionPlugin], prepared: PreparedObjects, audit: PrecisionAudit,
+                 current_precision: Callable[[], PrecisionPlugin], prepared: PreparedObjects, audit: PrecisionAudit,
                  optimizer_hooks: OptimizerHooks, diagnostics: DiagnosticsConfig,
                  fsdp_plugin: FullyShardedDataParallelPlugin | None, ddp_wire_dtype: torch.dtype | None,
                  compile: bool | dict, dataloader_config: DataLoaderConfiguration, device_placement: bool,
                  step_scheduler_with_optimizer: bool) -> None:
-        self.state, self.gradient_state, self.precision = state, gradient_state, precision
+        self.state, self.gradient_state, self.current_precision = state, gradient_state, current_precision
         self.prepared, self.audit, self.optimizer_hooks = prepared, audit, optimizer_hooks
         self.diagnostics, self.fsdp_plugin, self.ddp_wire_dtype = diagnostics, fsdp_plugin, ddp_wire_dtype
         self.compile, self.dataloader_config = compile, dataloader_config
@@ -162,11 +162,11 @@ class Preparer:
             if any(d in ("cpu", "disk") for d in device_map.values()):
                 raise ValueError("a model quantized by bitsandbytes with CPU or disk offload cannot be trained: "
                                  "load it wholly on the GPU (device_map={'': 0})")
-        state, precision = self.state, self.precision()
+        state, precision = self.state, self.current_precision()
         if device_placement if device_placement is not None else self.device_placement:
             model.to(state.device)
         precision.convert_module(model)
-        patch_forward(model, self.precision)
+        patch_forward(model, self.current_precision)
         if state.use_distributed and self.fsdp_plugin is not None:
             # Every rank shards the same weights: rank 0's (as DDP does; FSDP2 alone would keep
             # each rank's own slice of differently initialised models).
@@ -202,7 +202,7 @@ class Preparer:
         if self.sharded_params:
             for group in optimizer.param_groups:
                 group["params"] = [self.sharded_params.get(id(p), p) for p in group["params"]]
-        precision = self.precision()
+        precision = self.current_precision()
         converted = precision.convert_optimizer(optimizer)
         precision.track_optimizer(converted)
         wrapped = AcceleratedOptimizer(converted, self.optimizer_hooks, original=optimizer)
@@ -240,7 +240,7 @@ class Preparer:
             seed = D.broadcast_object(int(torch.randint(0, 2**62, (1,)).item())) if needs_seed else 0
         device = self.state.device if self.device_placement else None
         prepared = PreparedDataLoader(dataloader, device=device, world_size=self.state.num_processes,
-                                      rank=self.state.process_index, seed=seed, float_dtype=self.precision().input_dtype,
+                                      rank=self.state.process_index, seed=seed, float_dtype=self.current_precision().input_dtype,
                                       on_iter=self.gradient_state._add_dataloader,
                                       on_end=self.gradient_state._remove_dataloader,
                                       non_blocking=config.non_blocking, resume_position=config.use_stateful_dataloader)

@@ -61,13 +61,13 @@ class PrecisionPlugin:
 
     def _make_scaler(self, config: PrecisionConfig) -> LossScaler | None:
         given = config.loss_scaler
-        if self.policy.needs_loss_scaler or (given is not None and self.accepts_loss_scaler and not config.guards_nonfinite):
-            return given if isinstance(given, LossScaler) else LossScaler(self.device.type, **(given or {}))
-        if config.guards_nonfinite:
+        if config.guards_nonfinite and not self.policy.needs_loss_scaler:
             if isinstance(given, LossScaler):
                 return given
             # The loss scaler's inf/NaN check and skip, at a scale pinned to 1: nothing is scaled.
             return LossScaler(self.device.type, **{**(given or {}), **NONFINITE_GUARD})
+        if self.policy.needs_loss_scaler or (given is not None and self.accepts_loss_scaler):
+            return given if isinstance(given, LossScaler) else LossScaler(self.device.type, **(given or {}))
         if given is not None:
             raise ValueError(f"a loss scaler does nothing for {self.policy.name}: fp32's and bf16's range need no "
                              "scaling; drop loss_scaler, or use mixed_precision='fp16'")
