@@ -148,3 +148,21 @@ def test_hugging_face_batch_encoding_and_model_output_keep_their_types():
     out = tree_map(double, HFCausalLMOutput(loss=t, logits=t))
     assert type(enc) is transformers.BatchEncoding and enc["input_ids"].item() == 2.0
     assert type(out) is HFCausalLMOutput and out.loss.item() == 2.0 and out["logits"].item() == 2.0
+
+
+def test_the_fast_walk_of_plain_containers_visits_and_rebuilds_as_the_pytree_walk_does():
+    from mixprec.nested import _map_general
+
+    @dataclasses.dataclass
+    class Out:
+        loss: torch.Tensor
+        extra: object = None
+
+    Pair = collections.namedtuple("Pair", "x y")
+    tree = {"b": [torch.ones(2), (3, None, "s")], "a": collections.OrderedDict(z=Pair(torch.zeros(1), 2.5)),
+            "c": (Out(torch.ones(1), {"k": [True]}),), "d": torch.Size([2, 3])}
+    seen_fast, seen_general = [], []
+    fast = tree_map(lambda x: seen_fast.append(x) or (x * 2 if isinstance(x, torch.Tensor) else x), tree)
+    general = _map_general(lambda x: seen_general.append(x) or (x * 2 if isinstance(x, torch.Tensor) else x), tree)
+    assert repr(fast) == repr(general) and [repr(x) for x in seen_fast] == [repr(x) for x in seen_general]
+    assert type(fast["a"]) is collections.OrderedDict and type(fast["a"]["z"]) is Pair and type(fast["c"][0]) is Out
