@@ -3,9 +3,9 @@ answers ENOSPC (no mocking, no file size limit).
 
 Each test writes a first checkpoint that fits and then a second one that cannot: either a filler
 file takes the space left, or the model is sized so that two checkpoints do not fit in the tmpfs.
-Which writer meets the full disk is chosen by the sizes: torch's zip writer (``torch.save``, which
-reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc] ... unexpected pos``)
-for the optimizer state, safetensors ("os error 28") for the model weights.
+Which file meets the full disk is chosen by the sizes: the optimizer state (``torch.save`` through
+mixprec's hashing file, so the kernel's ENOSPC is not lost in torch's zip writer's "unexpected
+pos"), or the model weights (safetensors, streamed through the same file).
 
 Mounting needs root (as in CI); elsewhere, or where the mount fails (a container without
 CAP_SYS_ADMIN), the tests are skipped with the reason.
@@ -20,7 +20,6 @@ import re
 import shutil
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -122,11 +121,6 @@ def setup(model: torch.nn.Module, opt_cls, **opt_kw):
     return acc, model, opt
 
 
-def passes_through(error: BaseException, module_path: str) -> bool:
-    """Whether the traceback of ``error`` (the writer's own error) has a frame in ``module_path``."""
-    return any(module_path in f.filename.replace(os.sep, "/") for f in traceback.extract_tb(error.__traceback__))
-
-
 def check_full_disk_error(e: OSError, final: Path, disk: Path, least: int) -> int:
     """The error says ENOSPC, names ``final``, says the disk is full and how many bytes it needs."""
     assert e.errno == errno.ENOSPC, f"errno {e.errno} ({errno.errorcode.get(e.errno)}), not ENOSPC: {e}"
@@ -182,7 +176,7 @@ def test_a_full_disk_met_by_safetensors_writing_the_weights_raises_enospc_and_ke
     assert DISK_BYTES / 2 < weights < DISK_BYTES - 64 * 1024  # one fits, two do not
     e = save_twice_and_check(disk, acc, model, opt, 720, filler_leaves=None)
     cause = e.__cause__
-    assert cause is not None and passes_through(cause, "safetensors/"), (
+    assert isinstance(cause, OSError) and str(cause.filename).endswith("model_0.safetensors"), (
         f"the weights' safetensors write should have failed; the cause was {cause!r}")
 
 
@@ -198,7 +192,7 @@ def test_a_full_disk_met_by_torch_save_writing_the_optimizer_raises_enospc_and_k
     assert checkpoint + weights + 64 * 1024 < DISK_BYTES < 2 * checkpoint
     e = save_twice_and_check(disk, acc, model, opt, 384, filler_leaves=None)
     cause = e.__cause__
-    assert cause is not None and passes_through(cause, "torch/serialization.py"), (
+    assert isinstance(cause, OSError) and str(cause.filename).endswith("optimizer_0.bin"), (
         f"the optimizer's torch.save should have failed; the cause was {cause!r}")
 
 

@@ -30,6 +30,7 @@ from mixprec.accelerator.wrappers import unpatch_forward, unwrap, unwrap_keeping
 from mixprec.checkpoint.folder import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointReader,
     commit_checkpoint,
     load_tensor_file,
     numbered_checkpoints,
@@ -37,11 +38,11 @@ from mixprec.checkpoint.folder import (
     rotate_checkpoints,
     set_rng_state,
     staging_dir,
-    verify_checkpoint,
 )
+from mixprec.checkpoint.integrity import WrittenFiles, write_safetensors
 from mixprec.checkpoint.sharded import load_sharded, save_sharded
 from mixprec.checkpoint.weights import save_model_weights
-from mixprec.checkpoint.writing import PendingSave, explain_write_error, is_write_failure, torch_save
+from mixprec.checkpoint.writing import PendingSave, explain_write_error, is_write_failure
 from mixprec.distributed import groups as D
 from mixprec.distributed.fsdp import full_state_dict, is_sharded
 from mixprec.nested import tree_leaves
@@ -190,48 +191,76 @@ class Checkpointer:
         info = self.processes.info
         main = info.rank == 0
         prepared = self.prepared
-        # The main process makes the staging folder; every process writes its own RNG state into it.
+        # The main process makes the staging folder; every process writes its own files into it
+        # (its RNG state; with DCP, its shards), hashing and fsyncing each as it writes it.
         tmp = Path(D.broadcast_object(str(staging_dir(final)) if main else None))
+        written = WrittenFiles(tmp)
+        futures: list[Any] = []
+        error: BaseException | None = None
         try:
-            torch_save(rng_state(), tmp / f"random_states_{info.rank}.bin")
-            futures = []
+            written.torch_save(rng_state(), f"random_states_{info.rank}.bin")
             if sharded:
                 futures = save_sharded(tmp, [unwrap(m) for m in prepared.models],
-                                       [o.optimizer for o in prepared.optimizers],
+                                       [o.optimizer for o in prepared.optimizers], written=written,
                                        asynchronous=asynchronous, process_group=process_group)
-            D.barrier()
             if main:
-                written = self._write_shared(tmp, meta, precision_state, extra_files, sharded=sharded)
+                names = self._write_shared(written, meta, precision_state, extra_files, sharded=sharded)
                 if finish is not None:
-                    finish(tmp, written)
-        except BaseException as error:
+                    finish(tmp, names)
+        except Exception as e:  # noqa: BLE001 - every process must reach the verdict below
+            error = e
+        except BaseException:  # an interrupt: no verdict to reach, nothing left behind
             if main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            if is_write_failure(error):
-                raise explain_write_error(error, final, checkpoint_bytes(prepared)) from error
             raise
 
-        def commit() -> None:
-            if main:
-                commit_checkpoint(tmp, final, meta={"num_processes": info.world_size, "precision": meta["precision"]})
-                if after_commit is not None:
-                    after_commit()
-
-        def discard() -> None:
-            if main:
+        def commit(error: BaseException | None) -> None:
+            # The one verdict: every process's rows (or its error) gathered on every process.
+            rows: dict[str, Any] = {}
+            mine = None
+            try:
+                if error is None:
+                    rows = written.entries()
+            except Exception as e:  # noqa: BLE001 - a failed fsync: reported like a failed write
+                error = e
+            if error is not None:
+                mine = (explain_write_error(error, final, checkpoint_bytes(prepared))
+                        if is_write_failure(error) else error)
+            verdicts = D.all_gather_object((rows, None if mine is None else f"{type(mine).__name__}: {mine}"),
+                                           group=process_group)
+            failed = [(rank, why) for rank, (_, why) in enumerate(verdicts) if why is not None]
+            if main and not failed:
+                try:
+                    every = {rel: row for part, _ in verdicts for rel, row in part.items()}
+                    commit_checkpoint(tmp, final, meta={"num_processes": info.world_size,
+                                                        "precision": meta["precision"]}, written=every)
+                except Exception as e:  # noqa: BLE001 - told to every process below
+                    failed = [(0, f"{type(e).__name__}: {e}")]
+                    mine = e
+            if main and failed:
                 shutil.rmtree(tmp, ignore_errors=True)
+            failed = D.broadcast_object(failed, group=process_group)
+            if mine is not None:
+                raise mine from error if mine is not error else None
+            if failed:
+                rank, why = failed[0]
+                raise RuntimeError(f"the checkpoint {final} was not written: process {rank} failed ({why}); nothing "
+                                   "was left behind and an earlier checkpoint there is untouched; fix that process's "
+                                   "problem and save again")
+            if main and after_commit is not None:
+                after_commit()
 
-        pending = PendingSave(final, futures, commit, discard)
+        pending = PendingSave(final, futures, commit, error=error, announce=asynchronous)
         if not asynchronous:
             pending.wait()
-            D.barrier()
         return pending
 
-    def _write_shared(self, tmp: Path, meta: dict[str, Any], precision_state: dict[str, Any],
+    def _write_shared(self, written: WrittenFiles, meta: dict[str, Any], precision_state: dict[str, Any],
                       extra_files: dict[str, str | bytes], *, sharded: bool) -> dict[str, list[str]]:
         """The main process's files; returns their names by role."""
         prepared = self.prepared
-        written: dict[str, list[str]] = {}
+        tmp = written.root
+        names: dict[str, list[str]] = {}
         models = [] if sharded else list(prepared.models)
         if self.hooks.save:
             weights = [unwrap(m).state_dict() for m in models]
@@ -240,21 +269,22 @@ class Checkpointer:
                 hook(models, weights, str(tmp))  # what the hook writes joins the atomic commit
             models = [m for m, w in zip(prepared.models, given) if any(w is x for x in weights)]
         for i, m in enumerate(models):
-            safetensors.torch.save_model(unwrap(m), str(tmp / f"model_{i}.safetensors"))
-            written.setdefault("model", []).append(f"model_{i}.safetensors")
+            with written.open(tmp / f"model_{i}.safetensors") as fh:
+                write_safetensors(_untied(unwrap(m).state_dict()), fh, metadata={"format": "pt"})
+            names.setdefault("model", []).append(f"model_{i}.safetensors")
         for name, objs in prepared.stateful().items():
             if sharded and name == "optimizer":
                 continue  # in the DCP shards, beside their model's
             for i, obj in enumerate(objs):
-                torch_save(obj.state_dict(), tmp / f"{name}_{i}.bin")
-                written.setdefault(name, []).append(f"{name}_{i}.bin")
+                written.torch_save(obj.state_dict(), f"{name}_{i}.bin")
+                names.setdefault(name, []).append(f"{name}_{i}.bin")
         if precision_state:
-            torch_save(precision_state, tmp / "scaler.bin")
-            written["scaler"] = ["scaler.bin"]
-        torch_save(meta, tmp / "accelerator.bin")
+            written.torch_save(precision_state, "scaler.bin")
+            names["scaler"] = ["scaler.bin"]
+        written.torch_save(meta, "accelerator.bin")
         for name, content in extra_files.items():
-            (tmp / name).write_bytes(content.encode() if isinstance(content, str) else content)
-        return written
+            written.write_bytes(name, content.encode() if isinstance(content, str) else content)
+        return names
 
     def wait(self) -> Path | None:
         """Block until the checkpoint being written in the background is in place; returns its
@@ -264,39 +294,93 @@ class Checkpointer:
 
     # -- load ---------------------------------------------------------------------------
     def load(self, input_dir: str | os.PathLike | None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """See :meth:`Accelerator.load_state`: verifies, restores the prepared objects and this
-        process's RNG; returns the run's ``meta`` and the precision plugin's state (``{}`` if none)."""
+        """See :meth:`Accelerator.load_state`: restores the prepared objects and this process's RNG;
+        returns the run's ``meta`` and the precision plugin's state (``{}`` if none).
+
+        Each process reads only the files it needs, checking each against the manifest as it reads
+        it (the sha256 beside the reading), and nothing is restored until every process's files
+        verify: the processes agree on the verdict with one collective, so each raises the same
+        :class:`CheckpointError` and none waits for one that gave up.
+        """
         self.wait()
         path = self.load_dir(input_dir)
-        prepared, info = self.prepared, self.processes.info
-        verify_checkpoint(path)  # before anything is read
+        prepared = self.prepared
+        staged: dict[str, Any] = {}
+        problem = None
+        reader = None
+        try:
+            reader = CheckpointReader(path)
+            staged = self._read(reader)
+        except CheckpointError as e:
+            problem = str(e)
+        except Exception as e:  # noqa: BLE001 - every process must reach the verdict
+            problem = f"could not read {path} ({type(e).__name__}: {e}); load it into a run prepared like the one that saved it"
+        verdicts = D.all_gather_object(problem)
+        failed = [(rank, p) for rank, p in enumerate(verdicts) if p is not None]
+        if failed:
+            rank, first = failed[0]
+            raise CheckpointError(f"process {rank} of {len(verdicts)}: {first}" if len(verdicts) > 1 else first)
+        assert reader is not None
         models = list(prepared.models)
         for hook in self.hooks.load.values():
             hook(models, str(path))
-        sharded = (path / "model_0").is_dir()  # written by DCP: any number of ranks reads it
-        if sharded:
-            load_sharded(path, [unwrap(m) for m in models], [o.optimizer for o in prepared.optimizers])
+        if staged["sharded"]:
+            load_sharded(path, [unwrap(m) for m in models], [o.optimizer for o in prepared.optimizers], reader=reader,
+                         agree=D.all_gather_object)
             models = []
         for i, m in enumerate(models):
             safetensors.torch.load_model(unwrap(m), str(path / f"model_{i}.safetensors"), strict=True,
                                          device=str(self.device))
-        for name, objs in prepared.stateful().items():
-            if sharded and name == "optimizer":
-                continue
-            for i, obj in enumerate(objs):
-                f = path / f"{name}_{i}.bin"
-                if not f.exists():
-                    raise CheckpointError(f"{f} is missing: the checkpoint holds fewer {name}s than were prepared")
-                obj.load_state_dict(load_tensor_file(f, map_location=self.device if name == "optimizer" else "cpu"))
-        rng = path / f"random_states_{info.rank}.bin"
-        if not rng.exists():
+        for name, states in staged["stateful"].items():
+            for obj, state in zip(prepared.stateful()[name], states):
+                obj.load_state_dict(state)
+        set_rng_state(staged["rng"])
+        return staged["meta"], staged["scaler"]
+
+    def _read(self, reader: CheckpointReader) -> dict[str, Any]:
+        """This process's files of the checkpoint, parsed (nothing restored yet) and verified: the
+        hashes run beside the parsing; the models' safetensors are only hashed here (read into the
+        models once they verify)."""
+        path, prepared, info = reader.path, self.prepared, self.processes.info
+        sharded = (path / "model_0").is_dir()  # written by DCP: any number of ranks reads it
+        if not sharded:
+            reader.check([f"model_{i}.safetensors" for i in range(len(prepared.models))])
+        rng = f"random_states_{info.rank}.bin"
+        if rng not in reader.files:
             # Written by fewer processes (a resharded resume): every new rank continues from rank 0's RNG.
             log.warning("mixprec: %s was written by fewer processes than this run's %d; process %d continues from "
                         "process 0's random state", path, info.world_size, info.rank)
-            rng = path / "random_states_0.bin"
-        set_rng_state(load_tensor_file(rng))
-        precision_state = load_tensor_file(path / "scaler.bin") if (path / "scaler.bin").exists() else {}
-        return load_tensor_file(path / "accelerator.bin"), precision_state
+            rng = "random_states_0.bin"
+        stateful: dict[str, list[Any]] = {}
+        for name, objs in prepared.stateful().items():
+            if sharded and name == "optimizer":
+                continue
+            for i in range(len(objs)):
+                f = f"{name}_{i}.bin"
+                if f not in reader.files:
+                    raise CheckpointError(f"{path / f} is missing: the checkpoint holds fewer {name}s than were "
+                                          f"prepared; load it into a run prepared like the one that saved it")
+                where = self.device if name == "optimizer" else "cpu"
+                stateful.setdefault(name, []).append(load_tensor_file(reader.check(f), map_location=where))
+        staged = {"sharded": sharded, "stateful": stateful, "rng": load_tensor_file(reader.check(rng)),
+                  "scaler": load_tensor_file(reader.check("scaler.bin")) if "scaler.bin" in reader.files else {},
+                  "meta": load_tensor_file(reader.check("accelerator.bin"))}
+        reader.verify()
+        return staged
+
+
+def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each tied weight once, under its first name (safetensors stores no aliases;
+    ``safetensors.torch.load_model`` ties them again from the model)."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    out = {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
 
 
 def checkpoint_bytes(prepared: PreparedObjects) -> int:

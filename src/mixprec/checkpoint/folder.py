@@ -1,15 +1,16 @@
-"""Checkpoint folders that are complete or absent, verified before anything is loaded.
+"""Checkpoint folders that are complete or absent, verified as they are read.
 
-A checkpoint is written into a temporary sibling folder, with a ``manifest.json`` listing each
-file's size and sha256, flushed to disk, and only then renamed into place, so a crash mid-save
-leaves the previous checkpoint (or none) and never a half-written one. Loading checks the
-manifest first, then reads tensors with safetensors or ``torch.load(weights_only=True)``: a
-checkpoint never runs code.
+A checkpoint is written into a temporary sibling folder; every process hashes and fsyncs the
+files it writes as it writes them (:mod:`mixprec.checkpoint.integrity`), and the main process
+writes the ``manifest.json`` listing each file's size and sha256, flushes it, and only then
+renames the folder into place, so a crash mid-save leaves the previous checkpoint (or none) and
+never a half-written one. Loading validates the manifest as a whole, then each process checks
+the files it reads (:class:`CheckpointReader`), reading tensors with safetensors or
+``torch.load(weights_only=True)``: a checkpoint never runs code.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -23,8 +24,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "CheckpointNotFoundError", "commit_checkpoint", "is_complete_checkpoint", "load_tensor_file",
-           "numbered_checkpoints", "rotate_checkpoints", "staging_dir", "verify_checkpoint", "write_checkpoint"]
+from mixprec.checkpoint.integrity import hash_in_background, sha256_file
+
+__all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointReader", "checkpoint_problem", "commit_checkpoint",
+           "is_complete_checkpoint", "load_tensor_file", "numbered_checkpoints", "read_manifest", "rotate_checkpoints",
+           "staging_dir", "verify_checkpoint", "write_checkpoint"]
 
 log = logging.getLogger("mixprec")
 
@@ -38,14 +42,6 @@ class CheckpointError(RuntimeError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No checkpoint folder where one was asked for (a ``FileNotFoundError``, as in Accelerate)."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -68,24 +64,42 @@ def staging_dir(final: str | os.PathLike) -> Path:
     return tmp
 
 
-def commit_checkpoint(tmp: Path, final: str | os.PathLike, meta: dict[str, Any] | None = None) -> Path:
-    """Write the manifest of everything in ``tmp``, flush it all, and rename ``tmp`` to ``final``.
+def commit_checkpoint(tmp: Path, final: str | os.PathLike, meta: dict[str, Any] | None = None,
+                      written: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Write the manifest of everything in ``tmp``, flush it, and rename ``tmp`` to ``final``.
 
-    If ``final`` exists it is replaced only after the new folder is complete.
+    ``written``: the rows (``{"size", "sha256"}``) of files their writers hashed and fsynced as
+    they wrote them (every process its own, gathered here); only the files not in it (written by
+    a hook, or a plain copy) are fsynced and hashed now. A hard link to a written file takes its
+    row. If ``final`` exists it is replaced only after the new folder is complete.
     """
     final = Path(final)
+    known = dict(written or {})
+    by_inode = {}
+    for rel in known:
+        try:
+            st = (tmp / rel).stat()
+        except FileNotFoundError:
+            raise CheckpointError(f"{tmp / rel} was reported written but is not in the staging folder: "
+                                  "not committed; save again") from None
+        by_inode[(st.st_dev, st.st_ino)] = known[rel]
     files = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         rel = path.relative_to(tmp).as_posix()
-        with open(path, "rb") as fh:
-            os.fsync(fh.fileno())
-        files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        st = path.stat()
+        entry = known.get(rel) or by_inode.get((st.st_dev, st.st_ino))
+        if entry is None:
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+            entry = {"size": st.st_size, "sha256": sha256_file(path)}
+        files[rel] = {"size": entry["size"], "sha256": entry["sha256"]}
     manifest = {"format": FORMAT, "files": files, "meta": meta or {}}
     with open(tmp / MANIFEST, "w") as fh:
         json.dump(manifest, fh, indent=1, sort_keys=True)
         fh.flush()
         os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    for folder in sorted({p.parent for p in tmp.rglob("*") if p.is_file()} | {tmp}, reverse=True):
+        _fsync_dir(folder)
     old = None
     if final.exists():
         old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
@@ -118,13 +132,91 @@ def write_checkpoint(final: str | os.PathLike, writers: dict[str, Callable[[Path
         raise
 
 
-def is_complete_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a folder with a readable mixprec manifest (no hashing: cheap)."""
+_FIX = "load an earlier checkpoint instead, or restore this folder from a copy"
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of the checkpoint folder ``path``, validated as a whole.
+
+    Raises:
+        CheckpointNotFoundError: no folder at ``path``.
+        CheckpointError: naming the manifest and what is wrong in it (missing, not JSON, not a
+            mixprec manifest, a row without a size or sha256, a path leaving the folder...).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"no checkpoint folder at {path}: check the path (a checkpoint is a folder "
+                                      f"with a {MANIFEST})")
+    where = path / MANIFEST
     try:
-        with open(Path(path) / MANIFEST) as fh:
-            return json.load(fh).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+        with open(where, "rb") as fh:
+            manifest = json.loads(fh.read())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no {MANIFEST}: it is not a complete mixprec checkpoint (written by another "
+                              f"tool, or damaged); {_FIX}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where} is not valid JSON ({e}): the checkpoint is damaged; {_FIX}") from None
+    except OSError as e:
+        raise CheckpointError(f"{where} cannot be read ({e}); fix the folder's permissions or {_FIX}") from None
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{where} is damaged: {what}; {_FIX}")
+
+    if not isinstance(manifest, dict):
+        raise bad(f"it holds a {type(manifest).__name__}, not an object")
+    if manifest.get("format") != FORMAT:
+        raise bad(f"its format is {manifest.get('format')!r}, not {FORMAT!r}")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise bad("it has no 'files' table")
+    for rel, entry in files.items():
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts:
+            raise bad(f"the file name {rel!r} leaves the checkpoint folder")
+        if not isinstance(entry, dict):
+            raise bad(f"the row of {rel} is not an object")
+        size, digest = entry.get("size"), entry.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise bad(f"the row of {rel} has no valid 'size' (got {size!r})")
+        if not isinstance(digest, str) or not _HEX.fullmatch(digest):
+            raise bad(f"the row of {rel} has no valid 'sha256' (got {digest!r})")
+    if not isinstance(manifest.get("meta", {}), dict):
+        raise bad("its 'meta' is not an object")
+    return manifest
+
+
+def is_complete_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder with a valid mixprec manifest (no hashing: cheap)."""
+    try:
+        read_manifest(path)
+    except CheckpointError:
         return False
+    return True
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """What makes ``path`` unloadable without reading its files (the manifest, and each file's
+    presence and size), or ``None``; a changed byte is found only by hashing (:func:`verify_checkpoint`)."""
+    try:
+        _check_sizes(Path(path), read_manifest(path)["files"], None)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _check_sizes(path: Path, files: dict[str, Any], only: Any) -> None:
+    for rel, entry in files.items():
+        if only is not None and rel not in only:
+            continue
+        f = path / rel
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {f} is missing; {_FIX}") from None
+        if size != entry["size"]:
+            raise CheckpointError(f"checkpoint file {f} is {size} bytes, the manifest says {entry['size']}: truncated "
+                                  f"or altered; {_FIX}")
 
 
 def numbered_checkpoints(root: str | os.PathLike, stem: str, *, complete: bool = True) -> list[Path]:
@@ -158,33 +250,70 @@ def rotate_checkpoints(root: str | os.PathLike, stem: str, limit: int | None, ke
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Check every file against the manifest; returns the manifest's ``files`` table.
+    """Check every file against the manifest (size, then sha256); returns the manifest's ``files`` table.
 
     Raises:
         CheckpointError: naming the folder or the file that is missing, truncated or altered.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"no checkpoint folder at {path}")
-    try:
-        with open(path / MANIFEST) as fh:
-            manifest = json.load(fh)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} has no {MANIFEST}: it is not a complete mixprec checkpoint") from None
-    except ValueError as e:
-        raise CheckpointError(f"{path / MANIFEST} is not valid JSON ({e}); the checkpoint is damaged") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path / MANIFEST} is not a {FORMAT} manifest")
-    for rel, entry in manifest["files"].items():
-        f = path / rel
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} is missing")
-        size = f.stat().st_size
-        if size != entry["size"]:
-            raise CheckpointError(f"checkpoint file {f} is {size} bytes, the manifest says {entry['size']}: truncated or altered")
-        if _sha256(f) != entry["sha256"]:
-            raise CheckpointError(f"checkpoint file {f} does not match its sha256 in the manifest: it was altered")
-    return manifest["files"]
+    reader = CheckpointReader(path)
+    reader.check(reader.files)
+    reader.verify()
+    return reader.files
+
+
+class CheckpointReader:
+    """A checkpoint folder opened for reading: the manifest validated as a whole (on opening), and
+    each file this process reads checked against it as it is read: its size at once, its sha256 on
+    a worker thread while the caller reads and parses the same file (one pass over the disk).
+    Files this process does not read are not touched.
+
+    Example:
+        >>> reader = CheckpointReader(folder)          # doctest: +SKIP
+        >>> state = torch.load(reader.check("optimizer_0.bin"), weights_only=True)  # doctest: +SKIP
+        >>> reader.verify()                            # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self.files: dict[str, Any] = self.manifest["files"]
+        self._hashes: dict[str, Any] = {}
+
+    def check(self, rel: str | Any) -> Path:
+        """Start checking ``rel`` (or each name of an iterable of them); returns the (first) path.
+
+        Raises:
+            CheckpointError: the file is not in the manifest, is missing, or has the wrong size.
+        """
+        names = [rel] if isinstance(rel, str) else list(rel)
+        for name in names:
+            if name not in self.files:
+                raise CheckpointError(f"{self.path / name} is not listed in {self.path / MANIFEST}: the checkpoint "
+                                      f"does not hold what this run needs (another run's checkpoint?); {_FIX}")
+            _check_sizes(self.path, self.files, (name,))
+            if name not in self._hashes:
+                self._hashes[name] = hash_in_background(self.path / name)
+        return self.path / names[0] if names else self.path
+
+    def read_bytes(self, rel: str) -> bytes:
+        """The whole file ``rel``, verified (for small files: JSON, DCP's metadata)."""
+        data = self.check(rel).read_bytes()
+        self.verify((rel,))
+        return data
+
+    def verify(self, names: Any = None) -> None:
+        """Wait for the hashes of the files checked so far (or of ``names``) and compare them.
+
+        Raises:
+            CheckpointError: naming every file whose sha256 is not the manifest's.
+        """
+        bad = []
+        for name in list(self._hashes) if names is None else names:
+            if self._hashes[name].result() != self.files[name]["sha256"]:
+                bad.append(str(self.path / name))
+        if bad:
+            raise CheckpointError(f"the sha256 of {', '.join(bad)} is not the one in the manifest: the file was "
+                                  f"altered or damaged on disk; {_FIX}")
 
 
 def load_tensor_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:

@@ -20,21 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import safetensors
-import torch
 
-__all__ = ["PendingSave", "explain_write_error", "is_write_failure", "torch_save"]
+__all__ = ["PendingSave", "explain_write_error", "is_write_failure"]
 
 log = logging.getLogger("mixprec")
 
 _TORCH_WRITER = re.compile(r"inline_container|unexpected pos|PytorchStreamWriter|file write failed", re.I)
-
-
-def torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` through a Python file: a write that fails (a full disk, a file size limit, EIO)
-    raises ``OSError`` with its errno, where torch's own file writer turns it into a RuntimeError
-    ("unexpected pos ...") that names no cause."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
 
 
 _FULL = {errno.ENOSPC: "the disk is full", errno.EFBIG: "a file size limit was reached",
@@ -82,16 +73,20 @@ def explain_write_error(error: BaseException, final: Path, need: int) -> OSError
 class PendingSave:
     """A checkpoint being written; it appears at :attr:`path` (renamed into place) only when complete.
 
-    ``wait()`` blocks until it is, and raises what went wrong (the staging folder is then removed).
+    When every future is done (at once if there are none), ``finish(error)`` runs, with the first
+    error of the writes or ``None``: it gathers the processes' verdicts and commits the folder, or
+    removes it and raises. ``wait()`` blocks until then, and raises what went wrong. With
+    ``announce`` (a save in the background, that nobody may wait for) a failure is also logged.
     """
 
-    def __init__(self, path: Path, futures: list[Any], commit: Callable[[], None], discard: Callable[[], None]) -> None:
-        self.path = path
-        self._commit, self._discard = commit, discard
+    def __init__(self, path: Path, futures: list[Any], finish: Callable[[BaseException | None], None],
+                 error: BaseException | None = None, *, announce: bool = True) -> None:
+        self.path, self._announce = path, announce
+        self._finish_with = finish
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._left = len(futures)
-        self.error: BaseException | None = None
+        self.error: BaseException | None = error
         if not futures:
             self._finish()
         for f in futures:
@@ -108,12 +103,10 @@ class PendingSave:
 
     def _finish(self) -> None:
         try:
-            if self.error is None:
-                self._commit()
+            self._finish_with(self.error)
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             self.error = e
-        if self.error is not None:
-            self._discard()
+        if self.error is not None and self._announce:
             log.error("mixprec: the checkpoint %s was not written: %s", self.path, self.error)
         self._done.set()
 
