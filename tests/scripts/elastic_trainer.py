@@ -4,16 +4,19 @@
 
 torchrun's elastic agent restarts both ranks; the Trainer (resume_from_checkpoint unset) then
 resumes from the newest complete checkpoint by itself. Writes OUT/final/model.safetensors and,
-on rank 0, OUT/attempts.txt (one line per attempt).
+on rank 0, OUT/attempts.txt (one line per attempt). Each rank that exits normally prints whether
+the process group was destroyed by then (mixprec destroys the one it created at exit).
 """
 
 import argparse
+import atexit
 import os
 import signal
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,6 +33,12 @@ ap.add_argument("--resume", action="store_true", help="resume_from_checkpoint='a
 args = ap.parse_args()
 out = Path(args.out)
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+@atexit.register  # before the Trainer creates the group: runs after mixprec's own exit handler
+def report_the_group_at_exit():
+    state = "alive" if dist.is_initialized() else "destroyed"
+    print(f"attempt {attempt} rank {os.environ.get('RANK')}: process group {state} at exit", flush=True)
 
 
 class KillOnce(TrainerCallback):

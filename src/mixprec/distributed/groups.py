@@ -7,8 +7,10 @@ turns them into a process group (gloo on the CPU, nccl on CUDA).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,10 @@ def _env_int(name: str, default: int) -> int:
 def init_from_env(device_type: str, timeout_s: float = 600.0) -> ProcessInfo:
     """Read torchrun's variables and initialise the process group once if several processes run.
 
+    A group this creates stays usable after training (a script may go on with collectives) and is
+    destroyed at interpreter exit, unless it was destroyed or replaced before; a group the script
+    initialised itself is used as it is and left to it.
+
     Args:
         device_type: ``"cpu"`` uses gloo, ``"cuda"`` uses nccl.
         timeout_s: how long a collective may wait for the others before failing.
@@ -77,7 +83,24 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> ProcessInfo:
                                     rank=info.rank, world_size=world, timeout=timeout)
         else:
             dist.init_process_group(backend=backend, rank=info.rank, world_size=world, timeout=timeout)
+        atexit.register(_destroy_at_exit, weakref.ref(dist.group.WORLD))
     return info
+
+
+def _destroy_at_exit(created: weakref.ref) -> None:
+    """At interpreter exit, destroy the process group :func:`init_from_env` created, if it is still the one in use.
+
+    Left to the interpreter's teardown, a gloo group (after an elastic restart, say) can abort its
+    process with ``terminate called without an active exception``, and torchrun then reports a run
+    that finished as failed. A group already destroyed, or replaced by another, is left alone; this
+    never raises (the exit's status is the script's).
+    """
+    try:
+        group = created()
+        if group is not None and dist.is_initialized() and dist.group.WORLD is group:
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - at exit there is nothing left to tell
+        pass
 
 
 def _active() -> bool:
