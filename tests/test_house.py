@@ -53,7 +53,8 @@ def test_a_trainer_checkpoint_is_committed_once_with_hugging_faces_names(tmp_pat
     commits = []
     real = folder.commit_checkpoint
     monkeypatch.setattr("mixprec.accelerator.checkpointer.commit_checkpoint",
-                        lambda tmp, final, meta=None: commits.append(final) or real(tmp, final, meta))
+                        lambda tmp, final, meta=None, written=None: commits.append(final) or real(tmp, final, meta,
+                                                                                                  written))
     model = torch.nn.Linear(4, 1)
 
     class Data(torch.utils.data.Dataset):

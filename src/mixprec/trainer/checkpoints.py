@@ -18,13 +18,16 @@ from typing import Any
 
 from mixprec.checkpoint.folder import (
     MANIFEST,
-    is_complete_checkpoint,
+    CheckpointError,
+    CheckpointReader,
+    checkpoint_problem,
     numbered_checkpoints,
     rotate_checkpoints,
+    verify_checkpoint,
 )
 
-__all__ = ["list_checkpoints", "rotate_checkpoints_of", "checkpoint_to_resume", "write_trainer_checkpoint",
-           "weights_file"]
+__all__ = ["checkpoints_to_resume", "list_checkpoints", "newest_damaged_error", "rotate_checkpoints_of",
+           "verify_trainer_files", "weights_file", "write_trainer_checkpoint"]
 
 STEM = "checkpoint-"
 # Hugging Face's name for the first file the Accelerator wrote in each role.
@@ -43,26 +46,76 @@ def rotate_checkpoints_of(out: Path, limit: int | None, best: str | None) -> Non
     rotate_checkpoints(out, STEM, limit, keep=(Path(best),) if best is not None else ())
 
 
-def checkpoint_to_resume(out: Path, resume: str | bool) -> Path:
-    """``True``: the newest complete checkpoint in ``out``; a path: that one, if it is complete.
+def checkpoints_to_resume(out: Path, resume: str | bool) -> list[Path]:
+    """The checkpoints to try, in order, for ``resume_from_checkpoint``.
+
+    - ``True``: the newest ``checkpoint-N`` folder in ``out``, whatever its state: one that is
+      damaged is an error (:func:`newest_damaged_error`), never skipped in silence.
+    - ``"auto"``: every ``checkpoint-N`` folder, newest first (the caller takes the first that
+      loads and warns about each it skips); ``[]`` if there is none.
+    - a path: that folder and no other.
 
     Raises:
         ValueError: with Hugging Face's wording ("No valid checkpoint found in output directory",
-            "Can't find a valid checkpoint at").
+            "Can't find a valid checkpoint at") where there is no checkpoint at all.
+        CheckpointError: ``True`` and the newest checkpoint's manifest or files are damaged; or the
+            named folder is.
     """
+    found = numbered_checkpoints(out, STEM, complete=False)
+    if resume == "auto":
+        return found[::-1]
     if resume is True:
-        ckpts = list_checkpoints(out)
-        if not ckpts:
+        if not found:
             raise ValueError(f"No valid checkpoint found in output directory ({out}): resume_from_checkpoint=True "
                              "needs a complete checkpoint-N folder there")
-        return ckpts[-1]
-    path = Path(resume)
-    if not is_complete_checkpoint(path):
-        why = ("the folder does not exist" if not path.is_dir() else
-               f"it has no mixprec {MANIFEST} (a checkpoint written by another trainer, or half-written); mixprec "
-               "resumes its own checkpoints; load the weights with from_pretrained and start a new run")
-        raise ValueError(f"Can't find a valid checkpoint at {path}: {why}")
-    return path
+        newest = found[-1]
+        problem = checkpoint_problem(newest)
+        if problem is not None:
+            raise newest_damaged_error(out, newest, problem)
+        return [newest]
+    path = Path(resume).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"Can't find a valid checkpoint at {path}: the folder does not exist")
+    if not (path / MANIFEST).is_file():
+        raise ValueError(f"Can't find a valid checkpoint at {path}: it has no mixprec {MANIFEST} (a checkpoint "
+                         "written by another trainer, or half-written); mixprec resumes its own checkpoints; load the "
+                         "weights with from_pretrained and start a new run")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(problem)
+    return [path]
+
+
+def newest_damaged_error(out: Path, newest: Path, problem: str) -> CheckpointError:
+    """The error of ``resume_from_checkpoint=True`` when the newest checkpoint is damaged: what is
+    wrong, and the newest older one that verifies (hashed in full) as the fix."""
+    fix = "no older checkpoint there verifies either: start a new run (resume_from_checkpoint=None)"
+    for older in numbered_checkpoints(out, STEM, complete=False)[::-1]:
+        if older == newest:
+            continue
+        try:
+            verify_checkpoint(older)
+        except CheckpointError:
+            continue
+        fix = (f"the newest checkpoint that verifies is {older}: resume from it with "
+               f"resume_from_checkpoint={str(older)!r} (or resume_from_checkpoint='auto', which skips damaged "
+               "checkpoints with a warning)")
+        break
+    return CheckpointError(f"the newest checkpoint, {newest}, is damaged: {problem}. Not resuming from an older one "
+                           f"without being told: {fix}")
+
+
+def verify_trainer_files(checkpoint: Path) -> None:
+    """Check the Trainer's own files of ``checkpoint`` (``trainer_state.json`` and mixprec's beside it)
+    against the manifest before they are read.
+
+    Raises:
+        CheckpointError: one is missing from the manifest, truncated or altered.
+    """
+    reader = CheckpointReader(checkpoint)
+    reader.check([name for name in ("trainer_state.json", "mixprec_trainer_state.json") if name in reader.files]
+                 or ["trainer_state.json"])
+    reader.verify()
 
 
 def weights_file(checkpoint: Path) -> Path:

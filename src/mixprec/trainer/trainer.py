@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from mixprec.accelerator.accelerator import Accelerator
 from mixprec.accelerator.configs import DataLoaderConfiguration
+from mixprec.checkpoint.folder import CheckpointError, checkpoint_problem
 from mixprec.checkpoint.lock import RunLock
 from mixprec.diagnostics import precision_drift
 from mixprec.diagnostics.monitor import DiagnosticsConfig
@@ -39,9 +40,10 @@ from mixprec.trainer.callbacks import (
     restore_states,
 )
 from mixprec.trainer.checkpoints import (
-    checkpoint_to_resume,
-    list_checkpoints,
+    checkpoints_to_resume,
+    newest_damaged_error,
     rotate_checkpoints_of,
+    verify_trainer_files,
     weights_file,
     write_trainer_checkpoint,
 )
@@ -309,6 +311,31 @@ class Trainer:
         finally:
             lock.__exit__(None, None, None)
 
+    def _load_checkpoint(self, candidates: list[Path], resume: str | bool, restarted: int) -> Path | None:
+        """Restore the first of ``candidates`` that verifies and return it. ``"auto"`` skips a damaged
+        one with a warning naming it and why (``None`` if none verifies: the run starts over);
+        otherwise a damaged checkpoint raises, ``True``'s naming the newest that verifies."""
+        acc = self.accelerator
+        for path in candidates:
+            try:
+                problem = checkpoint_problem(path) if resume == "auto" else None
+                if problem is None:
+                    acc.load_state(path)
+                    verify_trainer_files(path)
+                    if restarted > 0:
+                        log.warning("mixprec: restart %d of this run (torchrun); resuming from %s", restarted, path)
+                    return path
+            except CheckpointError as e:
+                if resume is True:
+                    raise newest_damaged_error(Path(self.args.output_dir), path, str(e)) from None
+                if resume != "auto":
+                    raise
+                problem = str(e)
+            log.warning("mixprec: skipping the checkpoint %s (resume_from_checkpoint='auto'): %s", path, problem)
+        log.warning("mixprec: no checkpoint in %s verifies (%d skipped): starting over", self.args.output_dir,
+                    len(candidates))
+        return None
+
     def _train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """:meth:`train`'s set-up, loop and summary (inside the output folder's lock)."""
         args = self.args
@@ -324,13 +351,9 @@ class Trainer:
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if resume is None and restarted > 0:
             resume = "auto"  # torchrun's elastic agent restarted the group: continue, don't start over
-        if resume == "auto":
-            found = list_checkpoints(Path(args.output_dir))
-            resume = found[-1] if found else None
-            if restarted > 0:
-                log.warning("mixprec: restart %d of this run (torchrun); %s", restarted,
-                            f"resuming from {resume}" if resume else "no complete checkpoint yet: starting over")
-        resume_path = checkpoint_to_resume(Path(args.output_dir), resume) if resume else None
+        candidates = checkpoints_to_resume(Path(args.output_dir), resume) if resume else []
+        if restarted > 0 and resume == "auto" and not candidates:
+            log.warning("mixprec: restart %d of this run (torchrun); no checkpoint yet: starting over", restarted)
         train_dl = self.get_train_dataloader()
         try:
             self._batches_per_epoch = len(train_dl)
@@ -355,8 +378,8 @@ class Trainer:
                                   train_batch_size=args.train_batch_size, is_world_process_zero=acc.is_main_process,
                                   is_local_process_zero=acc.local_process_index == 0, precision=acc.policy.name)
         self.state.compute_steps(args, max_steps)
+        resume_path = self._load_checkpoint(candidates, resume, restarted) if candidates else None
         if resume_path is not None:
-            acc.load_state(resume_path)
             saved = TrainerState.load_from_json(resume_path / "trainer_state.json")
             # The run continues as saved, but for as long as *these* arguments say (as in Hugging Face).
             saved.max_steps, saved.num_train_epochs = max_steps, num_epochs
