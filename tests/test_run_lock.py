@@ -158,9 +158,10 @@ def test_a_forked_child_is_not_a_holder_and_does_not_release_the_parents_lock(tm
     assert not (tmp_path / LOCK_NAME).exists()
 
 
-def test_without_file_locks_the_pid_in_the_file_decides_with_one_warning(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS])
+def test_without_file_locks_the_pid_in_the_file_decides_with_one_warning(tmp_path, monkeypatch, caplog, code):
     def no_locks(fd, op):
-        raise OSError(errno.ENOLCK, "No locks available")
+        raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
     monkeypatch.setattr(lock_module, "_warned_no_locks", False)

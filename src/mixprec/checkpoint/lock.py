@@ -29,8 +29,9 @@ __all__ = ["RunLock"]
 
 _log = logging.getLogger("mixprec")
 LOCK_NAME = ".mixprec.lock"
-#: What flock raises where the filesystem has no locks (some network and FUSE filesystems).
-_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+#: What flock raises where the filesystem has no locks (some network and FUSE filesystems; Lustre
+#: mounted without ``flock`` says ENOSYS).
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
 
 
 @dataclass
