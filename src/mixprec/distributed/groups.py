@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from mixprec.nested import tree_map
 
-__all__ = ["ProcessInfo", "init_from_env", "gather", "reduce", "broadcast_object", "barrier"]
+__all__ = ["ProcessInfo", "all_gather_object", "init_from_env", "gather", "reduce", "broadcast_object", "barrier"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,10 +164,20 @@ def broadcast_module_state(module: torch.nn.Module, src: int = 0) -> None:
                 dist.broadcast(t.data, src=src)
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """``obj`` as process ``src`` has it, on every process (pickled: only for small, trusted values)."""
     if not _active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every process's ``obj``, in rank order, on every process (one collective; pickled: only for
+    small, trusted values). ``[obj]`` in one process."""
+    if not _active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
