@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from mixprec.checkpoint.folder import (
     staging_dir,
 )
 from mixprec.checkpoint.integrity import WrittenFiles, write_safetensors
+from mixprec.checkpoint.lock import RunLock
 from mixprec.checkpoint.sharded import load_sharded, save_sharded
 from mixprec.checkpoint.weights import save_model_weights
 from mixprec.checkpoint.writing import PendingSave, explain_write_error, is_write_failure
@@ -92,6 +94,8 @@ class Checkpointer:
         self.hooks = StateHooks()
         self._pending: PendingSave | None = None
         self._async_group: Any = None
+        self._project_lock: RunLock | None = None  # the main process's hold on project_dir, once it saves
+        self._project_lock_tried = False
 
     # -- models out ---------------------------------------------------------------------
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
@@ -156,9 +160,11 @@ class Checkpointer:
             return path
         if not self.project.automatic_checkpoint_naming:
             raise ValueError("load_state() needs an input_dir, or a project with automatic checkpoint naming")
-        done = numbered_checkpoints(self.project.checkpoints_dir, "checkpoint_")  # complete ones
+        # The newest, whatever its state: a damaged one fails the load, naming it, rather than being skipped.
+        done = numbered_checkpoints(self.project.checkpoints_dir, "checkpoint_", complete=False)
         if not done:
-            raise CheckpointNotFoundError(f"no complete checkpoint under {self.project.checkpoints_dir}")
+            raise CheckpointNotFoundError(f"no checkpoint under {self.project.checkpoints_dir}: save_state() one first, "
+                                          "or pass load_state() the folder of one")
         return done[-1]
 
     # -- save ---------------------------------------------------------------------------
@@ -172,6 +178,9 @@ class Checkpointer:
         self.wait()  # one checkpoint in flight at a time
         final = self.save_dir(output_dir)
         automatic = output_dir is None and self.project.automatic_checkpoint_naming
+        self._lock_project(automatic)
+        if self.processes.is_main_process:
+            self._clear_leftovers(final)
         group = None
         if async_save and self.processes.num_processes > 1:
             if self._async_group is None:  # background writes coordinate on their own gloo group
@@ -184,6 +193,42 @@ class Checkpointer:
         if automatic:
             self.project.iteration += 1
         return final
+
+    def _lock_project(self, automatic: bool) -> None:
+        """At the first save, the main process takes ``project_dir``'s run lock (the Trainer's lock on
+        ``output_dir``) and keeps it for the life of the process: while it holds it, no other live
+        process saves into the folder, so staging folders found there are leftovers of this run's
+        interrupted saves. Held by another live run: automatic naming would number into its
+        checkpoints (refused, on every process); an explicit folder is saved, leftovers kept."""
+        if self.project.project_dir is None or self._project_lock_tried:
+            return
+        self._project_lock_tried = True
+        error = None
+        if self.processes.is_main_process:
+            lock = RunLock(self.project.project_dir)
+            try:
+                self._project_lock = lock.__enter__()
+            except RuntimeError as e:
+                error = str(e).replace("output_dir", "project_dir")
+        error = D.broadcast_object(error)
+        if error is not None:
+            if automatic:
+                raise RuntimeError(error)
+            log.warning("mixprec: %s; its leftover staging folders are left alone", error)
+
+    def _clear_leftovers(self, final: Path) -> None:
+        """Remove the staging folders of saves interrupted beside ``final`` (a SIGKILL mid-save), when
+        ``final`` is in the project folder this process holds the lock of."""
+        if self._project_lock is None:
+            return
+        try:
+            final.resolve().relative_to(Path(self.project.project_dir).resolve())
+        except ValueError:
+            return
+        for stale in final.parent.iterdir() if final.parent.is_dir() else ():
+            if stale.is_dir() and _LEFTOVER.fullmatch(stale.name):
+                log.info("mixprec: removing %s, left by an interrupted save", stale)
+                shutil.rmtree(stale, ignore_errors=True)
 
     def _write(self, final: Path, meta: dict[str, Any], precision_state: dict[str, Any],
                extra_files: dict[str, str | bytes], *, sharded: bool, asynchronous: bool, process_group: Any,
@@ -367,6 +412,10 @@ class Checkpointer:
                   "meta": load_tensor_file(reader.check("accelerator.bin"))}
         reader.verify()
         return staged
+
+
+#: A staging folder (``.<name>.tmp-<hex>``) or a replaced checkpoint awaiting removal (``.<name>.old-<hex>``).
+_LEFTOVER = re.compile(r"\..+\.(tmp|old)-[0-9a-f]{8}")
 
 
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

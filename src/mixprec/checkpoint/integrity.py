@@ -230,7 +230,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], fh: Any, metadata: di
     """
     tensors = {k: v.detach() for k, v in tensors.items()}
     if any(t.dtype not in _SAFETENSORS_DTYPES for t in tensors.values()):
-        fh.write(safetensors.torch.save(dict(tensors), metadata=metadata))
+        fh.write(safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
         return
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}

@@ -11,6 +11,7 @@ import contextlib
 import io
 import os
 import pickle
+import queue
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,25 @@ def _hashing_writer(path: Path, written: WrittenFiles) -> Any:
             super().rename(path, new_path)
             written.rename(path, new_path)
 
-    writer = FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
+    class SplitWriter(FileSystemWriter):
+        """Each rank's shards in ``__<rank>_0.distcp``, what is replicated (written once, by rank 0:
+        the optimizer's step counts and settings) in ``__<rank>_1.distcp``: a rank loading the
+        same layout then reads its own shards and rank 0's small file, never another rank's shards."""
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            from torch.distributed.checkpoint.planner import WriteItemType
+
+            prefix = plan.storage_data.prefix
+            files: queue.Queue = queue.Queue()
+            shards = [item for item in plan.items if item.type == WriteItemType.SHARD]
+            rest = [item for item in plan.items if item.type != WriteItemType.SHARD]
+            for n, items in enumerate((shards, rest)):
+                if items:
+                    name = f"{prefix}{n}.distcp"
+                    files.put((self.fs.concat_path(self.path, name), name, items))
+            return self._write_data(planner, files)  # DCP's own writing loop (torch 2.13)
+
+    writer = SplitWriter(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
     writer.fs = HashingFileSystem()
     return writer
 
@@ -120,7 +139,7 @@ def _verifying_reader(path: Path, reader: CheckpointReader, agree: Agree) -> Any
             failed = [(rank, p) for rank, p in enumerate(verdicts) if p is not None]
             if failed:
                 rank, first = failed[0]
-                raise CheckpointError(f"process {rank}: {first}" if len(verdicts) > 1 else first)
+                raise CheckpointError(f"process {rank} of {len(verdicts)}: {first}" if len(verdicts) > 1 else first)
             return super().read_data(plan, planner)
 
     return VerifyingReader(str(path))
@@ -137,6 +156,7 @@ def save_sharded(directory: Path, models: list[torch.nn.Module], optimizers: lis
     written after every rank's files) are on disk.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     futures = []
@@ -144,11 +164,12 @@ def save_sharded(directory: Path, models: list[torch.nn.Module], optimizers: lis
         mine = _optimizers_of(model, optimizers)
         msd, osd = get_state_dict(model, mine)
         writer = _hashing_writer(directory / f"model_{i}", written)
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)  # replicated values: rank 0 writes them
         if asynchronous:
-            futures.append(dcp.async_save({"model": msd, "optimizer": osd}, storage_writer=writer,
+            futures.append(dcp.async_save({"model": msd, "optimizer": osd}, storage_writer=writer, planner=planner,
                                           process_group=process_group))
         else:
-            dcp.save({"model": msd, "optimizer": osd}, storage_writer=writer)
+            dcp.save({"model": msd, "optimizer": osd}, storage_writer=writer, planner=planner)
     return futures
 
 
