@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -136,6 +137,25 @@ def test_tied_weights_are_written_once_and_tied_again_on_load(tmp_path):
         model.emb.weight.zero_()
     acc.load_state(tmp_path / "ckpt")
     assert torch.equal(model.emb.weight, saved) and model.head.weight is model.emb.weight
+
+
+def test_a_checkpoint_in_the_previous_layout_still_loads(tmp_path):
+    """Before, the main process wrote the weights with ``safetensors.torch.save_model`` and hashed
+    every file after the fact: the same manifest format, read the same way."""
+    acc, model, opt = prepared(dim=16)
+    acc.save_state(tmp_path / "new")
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "new", old)
+    (old / MANIFEST).unlink()
+    safetensors.torch.save_model(model, str(old / "model_0.safetensors"))
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(old.iterdir())}
+    (old / MANIFEST).write_text(json.dumps({"format": "mixprec-checkpoint-1", "files": files, "meta": {}}))
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    acc.load_state(old)
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
 
 
 # -- reading: each file verified as it is read; nothing restored from a damaged checkpoint --------

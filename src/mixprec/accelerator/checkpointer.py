@@ -271,8 +271,8 @@ class Checkpointer:
             if error is not None:
                 mine = (explain_write_error(error, final, checkpoint_bytes(prepared))
                         if is_write_failure(error) else error)
-            verdicts = D.all_gather_object((rows, None if mine is None else f"{type(mine).__name__}: {mine}"),
-                                           group=process_group)
+            why = None if mine is None else (f"{type(mine).__name__}: {mine}", getattr(mine, "errno", None))
+            verdicts = D.all_gather_object((rows, why), group=process_group)
             failed = [(rank, why) for rank, (_, why) in enumerate(verdicts) if why is not None]
             if main and not failed:
                 try:
@@ -280,18 +280,18 @@ class Checkpointer:
                     commit_checkpoint(tmp, final, meta={"num_processes": info.world_size,
                                                         "precision": meta["precision"]}, written=every)
                 except Exception as e:  # noqa: BLE001 - told to every process below
-                    failed = [(0, f"{type(e).__name__}: {e}")]
-                    mine = e
+                    mine = explain_write_error(e, final, checkpoint_bytes(prepared)) if is_write_failure(e) else e
+                    failed = [(0, (f"{type(mine).__name__}: {mine}", getattr(mine, "errno", None)))]
             if main and failed:
                 shutil.rmtree(tmp, ignore_errors=True)
             failed = D.broadcast_object(failed, group=process_group)
             if mine is not None:
                 raise mine from error if mine is not error else None
             if failed:
-                rank, why = failed[0]
-                raise RuntimeError(f"the checkpoint {final} was not written: process {rank} failed ({why}); nothing "
-                                   "was left behind and an earlier checkpoint there is untouched; fix that process's "
-                                   "problem and save again")
+                rank, (text, code) = failed[0]
+                msg = (f"the checkpoint {final} was not written: process {rank} failed ({text}); nothing was left "
+                       "behind and an earlier checkpoint there is untouched; fix that process's problem and save again")
+                raise OSError(code, msg) if code is not None else RuntimeError(msg)  # a write failure stays one
             if main and after_commit is not None:
                 after_commit()
 

@@ -1,5 +1,6 @@
-"""Checkpoints, format-neutral: a folder committed atomically with a manifest of sizes and sha256,
-verified before anything is read; listing and rotating numbered folders; sharded state through
+"""Checkpoints, format-neutral: a folder committed atomically with a manifest of sizes and sha256
+(each computed by the process that wrote the file, while writing it), each file verified by the
+process that reads it, as it reads it; listing and rotating numbered folders; sharded state through
 ``torch.distributed.checkpoint`` (its metadata read without running code); the one mapping of
 write failures to ``OSError``; the run lock."""
 

@@ -199,24 +199,22 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
     """What makes ``path`` unloadable without reading its files (the manifest, and each file's
     presence and size), or ``None``; a changed byte is found only by hashing (:func:`verify_checkpoint`)."""
     try:
-        _check_sizes(Path(path), read_manifest(path)["files"], None)
+        for rel, entry in read_manifest(path)["files"].items():
+            _check_size(Path(path), rel, entry)
     except CheckpointError as e:
         return str(e)
     return None
 
 
-def _check_sizes(path: Path, files: dict[str, Any], only: Any) -> None:
-    for rel, entry in files.items():
-        if only is not None and rel not in only:
-            continue
-        f = path / rel
-        try:
-            size = f.stat().st_size
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint file {f} is missing; {_FIX}") from None
-        if size != entry["size"]:
-            raise CheckpointError(f"checkpoint file {f} is {size} bytes, the manifest says {entry['size']}: truncated "
-                                  f"or altered; {_FIX}")
+def _check_size(path: Path, rel: str, entry: dict[str, Any]) -> None:
+    f = path / rel
+    try:
+        size = f.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {f} is missing; {_FIX}") from None
+    if size != entry["size"]:
+        raise CheckpointError(f"checkpoint file {f} is {size} bytes, the manifest says {entry['size']}: truncated "
+                              f"or altered; {_FIX}")
 
 
 def numbered_checkpoints(root: str | os.PathLike, stem: str, *, complete: bool = True) -> list[Path]:
@@ -290,7 +288,7 @@ class CheckpointReader:
             if name not in self.files:
                 raise CheckpointError(f"{self.path / name} is not listed in {self.path / MANIFEST}: the checkpoint "
                                       f"does not hold what this run needs (another run's checkpoint?); {_FIX}")
-            _check_sizes(self.path, self.files, (name,))
+            _check_size(self.path, name, self.files[name])
             if name not in self._hashes:
                 self._hashes[name] = hash_in_background(self.path / name)
         return self.path / names[0] if names else self.path
