@@ -38,7 +38,9 @@ attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 @atexit.register  # before the Trainer creates the group: runs after mixprec's own exit handler
 def report_the_group_at_exit():
     state = "alive" if dist.is_initialized() else "destroyed"
-    print(f"attempt {attempt} rank {os.environ.get('RANK')}: process group {state} at exit", flush=True)
+    # One write of the whole line: the two ranks share torchrun's stdout, and print's text and
+    # newline may reach it as two writes, interleaved with the other rank's.
+    os.write(1, f"attempt {attempt} rank {os.environ.get('RANK')}: process group {state} at exit\n".encode())
 
 
 class KillOnce(TrainerCallback):
