@@ -60,7 +60,7 @@ def _hashing_writer(path: Path, written: WrittenFiles) -> Any:
     DCP writes each rank's shards through ``FileSystem.create_stream`` and fsyncs them itself
     (``sync_files``); a file system whose streams are :class:`HashingFile` s gives each rank the
     size and sha256 of its own shard files (and the coordinator of DCP's ``.metadata``) with no
-    second pass. One file per rank and one writing thread, so the shards are written in order.
+    second pass. One writing thread per rank: a file's bytes reach the hash in order.
     """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
@@ -135,6 +135,8 @@ def _verifying_reader(path: Path, reader: CheckpointReader, agree: Agree) -> Any
                 reader.verify(names)
             except CheckpointError as e:
                 problem = str(e)
+            except Exception as e:  # noqa: BLE001 - every rank must reach the verdict
+                problem = f"could not read {reader.path} ({type(e).__name__}: {e})"
             verdicts = agree(problem)
             failed = [(rank, p) for rank, p in enumerate(verdicts) if p is not None]
             if failed:
