@@ -26,6 +26,7 @@ from mixprec.accelerator.configs import (
     ProjectConfiguration,
     coerce_config,
 )
+from mixprec.accelerator.handlers import DDPCommunicationHookType, read_kwargs_handlers
 from mixprec.accelerator.prepare import PreparedObjects, Preparer
 from mixprec.accelerator.processes import PROCESS_API, Processes, expose
 from mixprec.accelerator.state import AcceleratorState, DistributedType, GradientState
@@ -135,7 +136,59 @@ class Accelerator:
                  gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
                  step_scheduler_with_optimizer: bool = True,
                  fsdp_plugin: FullyShardedDataParallelPlugin | dict | None = None,
-                 skip_nonfinite_steps: bool | str = False, precision_config: PrecisionConfig | None = None) -> None:
+                 skip_nonfinite_steps: bool | str = False, precision_config: PrecisionConfig | None = None,
+                 kwargs_handlers: list[Any] | None = None, rng_types: list[str] | None = None,
+                 dynamo_backend: str | None = None, dynamo_plugin: Any = None, deepspeed_plugin: Any = None,
+                 deepspeed_plugins: Any = None, megatron_lm_plugin: Any = None, torch_tp_plugin: Any = None,
+                 parallelism_config: Any = None) -> None:
+        unsupported = {"deepspeed_plugin": deepspeed_plugin, "deepspeed_plugins": deepspeed_plugins,
+                       "megatron_lm_plugin": megatron_lm_plugin, "torch_tp_plugin": torch_tp_plugin,
+                       "parallelism_config": parallelism_config}
+        if given := [k for k, v in unsupported.items() if v is not None]:
+            raise NotImplementedError(f"{', '.join(given)}: mixprec does not run DeepSpeed, Megatron-LM, tensor or "
+                                      "composable parallelism; shard with FSDP2 instead: "
+                                      "Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())")
+        backend = getattr(dynamo_plugin, "backend", None) if dynamo_plugin is not None else dynamo_backend
+        backend = str(getattr(backend, "value", backend) or os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")).lower()
+        if backend != "no" and compile is False:  # Accelerate's torch.compile switch
+            compile = {"backend": backend}
+            mode = getattr(dynamo_plugin, "mode", None) or os.environ.get("ACCELERATE_DYNAMO_MODE")
+            if mode and mode != "default":
+                compile["mode"] = mode
+        if rng_types is not None:
+            self.rng_types = list(rng_types)  # the RNGs to synchronise: mixprec seeds its loaders' own generator
+        # What `accelerate launch` / `accelerate config` set, where the script passes no argument.
+        env = os.environ
+        if mixed_precision is None and env.get("ACCELERATE_MIXED_PRECISION"):
+            mixed_precision = env["ACCELERATE_MIXED_PRECISION"].lower()
+        cpu = cpu or _env_flag("ACCELERATE_USE_CPU")
+        if gradient_accumulation_plugin is None and gradient_accumulation_steps == 1 \
+                and env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
+            gradient_accumulation_steps = int(env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])
+        if fsdp_plugin is None and _env_flag("ACCELERATE_USE_FSDP"):
+            fsdp_plugin = FullyShardedDataParallelPlugin()
+        #: The ``kwargs_handlers`` given, by class name (mixprec's objects; Accelerate's are converted).
+        handlers = read_kwargs_handlers(kwargs_handlers)
+        self.kwargs_handlers = {name: h.to_kwargs() for name, h in handlers.items()}
+        ddp_kwargs = handlers["DistributedDataParallelKwargs"].to_kwargs() if "DistributedDataParallelKwargs" in \
+            handlers else {}
+        hook = ddp_kwargs.pop("comm_hook", DDPCommunicationHookType.NO)
+        if ddp_kwargs.pop("comm_wrapper", "no") != "no" or hook not in (DDPCommunicationHookType.NO,
+                                                                       DDPCommunicationHookType.FP16,
+                                                                       DDPCommunicationHookType.BF16):
+            raise ValueError(f"DistributedDataParallelKwargs: the communication hook {hook.value!r} (and comm_wrapper) "
+                             "is not supported; mixprec compresses DDP's all-reduce to fp16 or bf16 "
+                             "(comm_hook=DDPCommunicationHookType.FP16 / BF16)")
+        ddp_kwargs.pop("comm_state_option", None)
+        if hook is not DDPCommunicationHookType.NO:
+            if ddp_comm_hook not in (None, hook.value):
+                raise ValueError(f"ddp_comm_hook={ddp_comm_hook!r} and DistributedDataParallelKwargs(comm_hook="
+                                 f"{hook.value!r}) disagree: give one")
+            ddp_comm_hook = hook.value
+        scaler_kwargs = handlers["GradScalerKwargs"].to_kwargs() if "GradScalerKwargs" in handlers else {}
+        group = handlers.get("InitProcessGroupKwargs")
+        self.autocast_handler = handlers.get("AutocastKwargs")
+        self.profile_handler = handlers.get("ProfileKwargs")
         plugin = gradient_accumulation_plugin
         if plugin is not None:
             plugin = coerce_config(plugin, GradientAccumulationPlugin, "gradient_accumulation_plugin")
@@ -174,7 +227,8 @@ class Accelerator:
                              "FullyShardedDataParallelPlugin(reduce_dtype=...) instead")
         self._preemption: Preemption | None = None
         device = torch.device("cpu") if cpu else default_device()
-        info = D.init_from_env(device.type)
+        timeout = group.timeout if group is not None and group.timeout is not None else None
+        info = D.init_from_env(device.type, timeout.total_seconds()) if timeout else D.init_from_env(device.type)
         if device.type == "cuda":
             device = torch.device("cuda", info.local_rank)
             torch.cuda.set_device(device)
@@ -185,11 +239,16 @@ class Accelerator:
                                       "draws its own batches; divide the batch size by the number of processes instead")
         #: Which process this is among all of them, and what runs where (a part; ``state`` holds it too).
         self.processes = Processes(info, device)
+        _share_with_accelerate(cpu=device.type == "cpu")
         policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", device)
         #: What the run's precision does (read at call time by the prepared models and optimizers).
+        if scaler_kwargs and policy.name == "fp16-mixed" and precision_config.loss_scaler is None:
+            # GradScalerKwargs set the fp16 scaler (where there is none, Accelerate ignores it too).
+            precision_config = self.precision_config = dataclasses.replace(precision_config, loss_scaler=scaler_kwargs)
         self.precision: PrecisionPlugin = make_plugin(policy, device, precision_config)
         #: Who this process is (Accelerate's ``accelerator.state``; this Accelerator's own, not global).
         self.state = AcceleratorState(self.processes, mixed_precision=_ACCELERATE_NAMES[policy.name])
+        self.state.is_fsdp2 = self.fsdp_plugin is not None
         #: Gradient accumulation as the loop sees it (Accelerate's ``accelerator.gradient_state``).
         self.gradient_state = GradientState(gradient_accumulation_steps, plugin.adjust_scheduler,
                                             plugin.sync_with_dataloader, plugin.sync_each_batch)
@@ -211,7 +270,7 @@ class Accelerator:
             # The dtype DDP's all-reduce sends gradients in, when ddp_comm_hook compresses them.
             ddp_wire_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(ddp_comm_hook or ""),
             compile=compile, dataloader_config=self.dataloader_config, device_placement=device_placement,
-            step_scheduler_with_optimizer=step_scheduler_with_optimizer)
+            step_scheduler_with_optimizer=step_scheduler_with_optimizer, ddp_kwargs=ddp_kwargs)
         #: Checkpoints in and out, and the model out.
         self.checkpointer = Checkpointer(processes=self.processes, prepared=self.prepared,
                                          project=self.project_configuration, device=device,
@@ -481,9 +540,31 @@ class Accelerator:
         self.optimizer_steps = int(meta.get("optimizer_steps", 0))
 
     # -- the step ---------------------------------------------------------------------------
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The current precision's forward context (autocast; a no-op for fp32 and bf16-true)."""
+    def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager:
+        """The current precision's forward context (autocast; a no-op for fp32 and bf16-true).
+        ``autocast_handler`` (an ``AutocastKwargs``; else the one given in ``kwargs_handlers``)
+        with ``enabled=False`` turns it off inside the block."""
+        handler = autocast_handler or self.autocast_handler
+        if handler is not None and not handler.enabled:
+            return torch.autocast(self.device.type, enabled=False)
         return self.precision.forward_context()
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: Any = None) -> Iterator[torch.profiler.profile]:
+        """``torch.profiler.profile`` over the block, set by ``profile_handler`` (a ``ProfileKwargs``;
+        else the one in ``kwargs_handlers``; else the profiler's defaults). With ``output_trace_dir``
+        each process writes ``trace_<process_index>.json`` (Chrome's format) there at the end."""
+        from mixprec.accelerator.handlers import ProfileKwargs
+
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        if not isinstance(handler, ProfileKwargs):
+            handler = read_kwargs_handlers([handler])["ProfileKwargs"]
+        with handler.build() as profiler:
+            yield profiler
+        if handler.output_trace_dir is not None:
+            os.makedirs(handler.output_trace_dir, exist_ok=True)
+            profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, f"trace_{self.process_index}.json"))
+            self.wait_for_everyone()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, divided by the accumulation steps and scaled where the precision needs it."""
@@ -719,9 +800,233 @@ class Accelerator:
             self.wait_for_everyone()
             torch.distributed.destroy_process_group()
 
+    # -- Accelerate's remaining surface ------------------------------------------------------
+    # What Accelerate's Accelerator offers for set-ups mixprec does not run (DeepSpeed, Megatron,
+    # tensor/context/pipeline parallelism, fp8, LOMO) reads as "not in use"; using one is an error.
+    deepspeed_plugin = None
+    parallelism_config = None
+    torch_device_mesh = None
+    ao_recipe_handler = None
+    te_recipe_handler = None
+    has_fp8_handler = False
+    fp8_enabled = False
+    delayed_fp8_autocast = False
+    fp8_backend = None
+    has_lomo_optimizer = False
+    is_composable_parallelism_enabled = False
+    flag_tensor = None
+    rng_types = ["generator"]
+
+    @property
+    def ddp_handler(self) -> Any:
+        """The ``DistributedDataParallelKwargs`` given in ``kwargs_handlers`` (``None`` if none)."""
+        return self._handler("DistributedDataParallelKwargs")
+
+    @property
+    def scaler_handler(self) -> Any:
+        """The ``GradScalerKwargs`` given in ``kwargs_handlers`` (``None`` if none)."""
+        return self._handler("GradScalerKwargs")
+
+    @property
+    def init_handler(self) -> Any:
+        """The ``InitProcessGroupKwargs`` given in ``kwargs_handlers`` (``None`` if none)."""
+        return self._handler("InitProcessGroupKwargs")
+
+    def _handler(self, name: str) -> Any:
+        from mixprec.accelerator import handlers
+
+        values = self.kwargs_handlers.get(name)
+        return None if values is None else getattr(handlers, name)(**values)
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """Whether models are sharded with FSDP2 (``fsdp_plugin``): mixprec's only FSDP."""
+        return self.fsdp_plugin is not None
+
+    @property
+    def multi_device(self) -> bool:
+        """Several processes on accelerators (not the CPU), as Accelerate defines it."""
+        return self.use_distributed and self.distributed_type == DistributedType.MULTI_GPU
+
+    @property
+    def native_amp(self) -> bool:
+        """Whether torch's autocast is in force (fp16 or bf16 mixed precision)."""
+        return self.policy.name in ("fp16-mixed", "bf16-mixed")
+
+    @property
+    def should_save_model(self) -> bool:
+        """Whether this process writes the model (the local main process, as in Accelerate without parallelism)."""
+        return self.is_local_main_process
+
+    @property
+    def dispatch_batches(self) -> bool | None:
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.dataloader_config.even_batches = value
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return self.dataloader_config.use_stateful_dataloader
+
+    @property
+    def data_parallel_rank(self) -> int:
+        raise RuntimeError("Data parallelism is not configured. Set `parallelism_config` first. (mixprec has no "
+                           "parallelism_config: data parallel rank = accelerator.process_index)")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        raise RuntimeError("Shard-based data parallelism is not configured. Set `parallelism_config` first. (mixprec "
+                           "shards with fsdp_plugin: the shard rank is accelerator.process_index)")
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        raise RuntimeError("Tensor parallelism is not configured: mixprec does not run tensor parallelism")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        raise RuntimeError("Pipeline parallelism is not configured: mixprec does not run pipeline parallelism")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        raise NotImplementedError("Context parallelism is not supported (in Accelerate either)")
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None,
+                               buffer_seq_dims: list[int] | None = None,
+                               no_restore_buffers: set[torch.Tensor] | None = None) -> Iterator[None]:
+        """A no-op: context parallelism is not configured (as Accelerate's without ``parallelism_config``)."""
+        yield
+
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: Any) -> Any:
+        """``dl`` unchanged: no sequence parallelism here (Accelerate's with ``sp_size`` 1)."""
+        return dl
+
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        """LOMO's fused backward: not supported (LOMO optimizers update inside backward, around the scaler)."""
+        raise ValueError("LOMO optimizers are not supported by mixprec: use a torch optimizer and "
+                         "accelerator.backward(loss)")
+
+    def verify_device_map(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` was dispatched over several devices by big-model inference (``hf_device_map``)."""
+        return any(len(getattr(m, "hf_device_map", ())) > 1 for m in model.modules())
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
+        """Make the next ``backward`` all-reduce the gradients even inside :meth:`no_sync` (DDP's
+        ``_inside_ddp_forward`` trick, as Accelerate does); a no-op in one process."""
+        if not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        old = model.require_backward_grad_sync
+        model.require_backward_grad_sync = True
+        model.require_forward_param_sync = True
+        model.reducer.prepare_for_backward([])  # the next backward syncs
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync = old
+            model.require_forward_param_sync = old
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
+        """torch's ``Join`` over the prepared DDP models (``joinables``), for processes that see
+        different numbers of batches; ``even_batches`` overrides the loaders' setting inside the block.
+        A no-op, with a warning, in one process."""
+        from torch.distributed.algorithms.join import Join
+
+        old = self.dataloader_config.even_batches
+        if even_batches is not None:
+            self.dataloader_config.even_batches = even_batches
+        try:
+            if self.use_distributed:
+                with Join(joinables):
+                    yield
+            else:
+                import warnings
+
+                warnings.warn("join_uneven_inputs does nothing in one process", stacklevel=3)
+                yield
+        finally:
+            self.dataloader_config.even_batches = old
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Pad each tensor (in any nesting) along ``dim`` to the largest size any process has, so they gather."""
+        def pad(t: Any) -> Any:
+            if not torch.is_tensor(t) or dim >= t.dim() or not self.use_distributed:
+                return t
+            size = torch.tensor([t.shape[dim]], device=self.device)
+            longest = int(D.gather(size).max())
+            if t.shape[dim] == longest:
+                return t
+            shape = list(t.shape)
+            shape[dim] = longest
+            out = t.new_full(shape, pad_index)
+            index = [slice(None)] * t.dim()
+            index[dim] = slice(longest - t.shape[dim], longest) if pad_first else slice(0, t.shape[dim])
+            out[tuple(index)] = t
+            return out
+        return tree_map(pad, tensor)
+
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> contextlib.AbstractContextManager:
+        """This process's share of ``inputs`` (a list, tuple, tensor or a dict of them): contiguous
+        slices, the first processes taking one more when it does not divide; ``apply_padding``
+        repeats the last element so every share has the same length."""
+        return self.state.split_between_processes(inputs, apply_padding)
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Write ``obj`` once per machine (the local main process), with ``torch.save`` or, with
+        ``safe_serialization``, safetensors (a dict of tensors)."""
+        if not self.is_local_main_process:
+            return
+        if safe_serialization:
+            import safetensors.torch
+
+            safetensors.torch.save_file(obj, str(f), metadata={"format": "pt"})
+        else:
+            torch.save(obj, f)
+
     def __repr__(self) -> str:
         return (f"Accelerator(precision={self.policy.name!r}, device={str(self.device)!r}, "
                 f"num_processes={self.num_processes}, gradient_accumulation_steps={self.gradient_accumulation_steps})")
+
+
+def _share_with_accelerate(cpu: bool) -> None:
+    """Where the script also uses Accelerate's utilities (``accelerate.logging.get_logger``,
+    ``accelerate.utils.gather_object``...), set up the process state they read: Accelerate's
+    ``PartialState`` (who this process is; the process group mixprec made). Its precision and
+    gradient state stay Accelerate's own, unused: they are not mixprec's."""
+    import sys
+
+    if "accelerate" not in sys.modules:  # the script does not use Accelerate: nothing to set up
+        return
+    try:
+        from accelerate.state import PartialState
+
+        if not PartialState._shared_state:
+            PartialState(cpu=cpu)
+    except Exception as e:  # noqa: BLE001 - Accelerate's utilities then say what they need themselves
+        import logging
+
+        logging.getLogger("mixprec").debug("mixprec: Accelerate's PartialState was not set up: %s", e)
+
+
+def _env_flag(name: str) -> bool:
+    """A flag `accelerate launch` sets (Accelerate's truth values: y/yes/t/true/on/1)."""
+    return os.environ.get(name, "").strip().lower() in ("y", "yes", "t", "true", "on", "1")
 
 
 def _truncate(data: Any, n: int) -> Any:

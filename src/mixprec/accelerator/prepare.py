@@ -90,6 +90,7 @@ class Preparer:
         diagnostics: gradient statistics and overflow tracing (observe only).
         fsdp_plugin: shard models with FSDP2 when several processes run (else DDP).
         ddp_wire_dtype: the dtype DDP's all-reduce sends gradients in (``None``: as they are).
+        ddp_kwargs: more arguments of ``DistributedDataParallel`` (``find_unused_parameters``...).
         compile: ``torch.compile`` prepared models (a dict: its arguments).
         dataloader_config: how prepared dataloaders behave.
         device_placement: move models and batches to the device.
@@ -100,11 +101,13 @@ class Preparer:
                  current_precision: Callable[[], PrecisionPlugin], prepared: PreparedObjects, audit: PrecisionAudit,
                  optimizer_hooks: OptimizerHooks, diagnostics: DiagnosticsConfig,
                  fsdp_plugin: FullyShardedDataParallelPlugin | None, ddp_wire_dtype: torch.dtype | None,
+                 ddp_kwargs: dict[str, Any] | None = None,
                  compile: bool | dict, dataloader_config: DataLoaderConfiguration, device_placement: bool,
                  step_scheduler_with_optimizer: bool) -> None:
         self.state, self.gradient_state, self.current_precision = state, gradient_state, current_precision
         self.prepared, self.audit, self.optimizer_hooks = prepared, audit, optimizer_hooks
         self.diagnostics, self.fsdp_plugin, self.ddp_wire_dtype = diagnostics, fsdp_plugin, ddp_wire_dtype
+        self.ddp_kwargs = dict(ddp_kwargs or {})  # DistributedDataParallelKwargs' arguments of DDP
         self.compile, self.dataloader_config = compile, dataloader_config
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -184,7 +187,7 @@ class Preparer:
             self.monitor.watch(model)
         if state.use_distributed and self.fsdp_plugin is None:
             ids = [state.device.index] if state.device.type == "cuda" else None
-            model = DistributedDataParallel(model, device_ids=ids)
+            model = DistributedDataParallel(model, device_ids=ids, **self.ddp_kwargs)
             # The bucket's mean, compressed to ddp_comm_hook's dtype if set; the audit sees its dtype.
             model.register_comm_hook(state=None, hook=recording_ddp_hook(self.audit.record_reduced,
                                                                           self.ddp_wire_dtype))

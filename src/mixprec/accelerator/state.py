@@ -8,7 +8,9 @@ do not change each other. The fields and the error after ``_reset_state()`` are 
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +26,19 @@ class DistributedType(str, enum.Enum):
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
+    # Accelerate's other arrangements, for scripts that compare against them (mixprec runs none of
+    # them but FSDP, reported as MULTI_CPU / MULTI_GPU with ``is_fsdp2``):
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
 
 
 class _State:
@@ -64,10 +79,39 @@ class AcceleratorState(_State):
             self.distributed_type = DistributedType.NO
         else:
             self.distributed_type = DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+        # Accelerate's fields for what mixprec does not run (DeepSpeed, tensor parallelism, dynamo
+        # plugins, a device mesh): present, and empty.
+        self.initialized = True
+        self.debug = False
+        self.fork_launched = False
+        self.is_fsdp2 = False  # the Accelerator sets it when given an fsdp_plugin
+        self.deepspeed_plugins = None
+        self.torch_tp_plugin = None
+        self.dynamo_plugin = None
+        self.parallelism_config = None
+        self.device_mesh = None
 
     @property
     def use_distributed(self) -> bool:
         return self.distributed_type != DistributedType.NO
+
+    @property
+    def deepspeed_plugin(self) -> None:
+        """DeepSpeed is not run by mixprec: always ``None``."""
+        return None
+
+    def get_deepspeed_plugin(self, name: str) -> Any:
+        raise ValueError(f"no DeepSpeed plugin {name!r}: mixprec does not run DeepSpeed (shard with FSDP2: "
+                         "Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin()))")
+
+    def select_deepspeed_plugin(self, name: str | None = None) -> None:
+        self.get_deepspeed_plugin(str(name))
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """This process's share of ``inputs`` (see ``Accelerator.split_between_processes``)."""
+        n, i = self.num_processes, self.process_index
+        yield split_for_process(inputs, n, i, apply_padding) if n > 1 else inputs
 
     def destroy_process_group(self, group: Any = None) -> None:
         """Release the process group, if several processes ran (a one-process group is left alone)."""
@@ -78,6 +122,20 @@ class AcceleratorState(_State):
         return (f"Distributed environment: {self.distributed_type.value}\nNum processes: {self.num_processes}\n"
                 f"Process index: {self.process_index}\nLocal process index: {self.local_process_index}\n"
                 f"Device: {self.device}\nMixed precision type: {self.mixed_precision}\n")
+
+
+def split_for_process(inputs: Any, num_processes: int, index: int, apply_padding: bool = False) -> Any:
+    """Process ``index``'s contiguous share of ``inputs`` (a list, tuple, tensor, or a dict of
+    them): the first processes take one more when the length does not divide; with
+    ``apply_padding`` the others repeat the last element so every share has the same length."""
+    if isinstance(inputs, dict):
+        return {k: split_for_process(v, num_processes, index, apply_padding) for k, v in inputs.items()}
+    per, extra = divmod(len(inputs), num_processes)
+    start = index * per + min(index, extra)
+    part = inputs[start:start + per + (1 if index < extra else 0)]
+    if apply_padding and extra and index >= extra:
+        part = torch.cat([part, inputs[-1:]]) if torch.is_tensor(inputs) else part + type(inputs)(inputs[-1:])
+    return part
 
 
 class GradientState(_State):
@@ -91,6 +149,8 @@ class GradientState(_State):
         self.sync_with_dataloader = sync_with_dataloader
         self.sync_each_batch = sync_each_batch
         self.sync_gradients = True
+        self.initialized = True
+        self.is_xla_gradients_synced = False  # no XLA here
         self.dataloader_references: list[Any] = []  # the loaders being iterated, innermost last
 
     @property

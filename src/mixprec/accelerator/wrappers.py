@@ -117,6 +117,13 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.hooks = hooks
         self._skipped: bool | None = None  # known on the host (a collapse), else asked of the plugin
 
+    def __getattr__(self, name: str) -> Any:
+        """Every attribute and method this wrapper does not define is the wrapped optimizer's
+        (schedule-free optimizers' ``train()`` / ``eval()``, custom attributes), as in Accelerate."""
+        if name.startswith("__") or name in ("optimizer", "original_optimizer", "hooks"):
+            raise AttributeError(name)  # not set yet (unpickling, copying): no recursion
+        return getattr(self.optimizer, name)
+
     @property
     def scaler(self) -> Any:
         """The run's loss scaler (``None`` without one, or after a precision fallback)."""

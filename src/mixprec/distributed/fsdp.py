@@ -28,6 +28,22 @@ _FSDP1_ONLY = {
     "cpu_offload": "not supported yet",
     "state_dict_type": "save_state writes sharded checkpoints (DCP); save_model writes a full one",
 }
+_FSDP1_MORE = {
+    "mixed_precision_policy": "the precision comes from Accelerator(mixed_precision=...); the gradients' reduce "
+                              "dtype from FullyShardedDataParallelPlugin(reduce_dtype=...)",
+    "ignored_modules": "every parameter is sharded; keep a module out of the model passed to prepare instead",
+    "param_init_fn": "build the model on every rank (or load its weights) before prepare",
+    "min_num_params": "size-based wrapping is not offered: auto_wrap_policy='transformer_based_wrap' with "
+                      "transformer_cls_names_to_wrap, or a callable(module) -> bool",
+    "activation_checkpointing_offload": "not supported: activation_checkpointing=True recomputes on the device",
+    "sharding_strategy": "FULL_SHARD (reshard_after_forward=True) and SHARD_GRAD_OP (reshard_after_forward=False) "
+                         "are FSDP2's; NO_SHARD is DDP (no fsdp_plugin), HYBRID_SHARD is not offered",
+    "cpu_offload": "offloading parameters to the CPU is not supported yet",
+}
+_FSDP1_FIELDS = ("sharding_strategy", "backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states",
+                 "limit_all_gathers", "cpu_offload", "state_dict_type", "state_dict_config", "optim_state_dict_config",
+                 "mixed_precision_policy", "ignored_modules", "param_init_fn", "min_num_params",
+                 "activation_checkpointing_offload")
 
 
 @dataclass
@@ -59,12 +75,33 @@ class FullyShardedDataParallelPlugin:
     reduce_dtype: torch.dtype | None = torch.float32
     activation_checkpointing: bool = False
     cpu_ram_efficient_loading: bool = False
+    # Accelerate's FSDP1 fields: accepted where FSDP2 has their meaning, an error that says what
+    # FSDP2 does instead where it has none (see _fsdp1_field).
+    sharding_strategy: Any = None
+    backward_prefetch: Any = None
+    forward_prefetch: Any = None
+    use_orig_params: Any = None
+    sync_module_states: Any = None
+    limit_all_gathers: Any = None
+    cpu_offload: Any = None
+    state_dict_type: Any = None
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
+    mixed_precision_policy: Any = None
+    ignored_modules: Any = None
+    param_init_fn: Any = None
+    min_num_params: Any = None
+    activation_checkpointing_offload: Any = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.fsdp_version != 2:
             raise ValueError(f"fsdp_version={self.fsdp_version!r}: mixprec shards with FSDP2 (fully_shard) only; "
                              "set fsdp_version=2")
+        for name in _FSDP1_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                self._fsdp1_field(name, value)
         for name in self.extra:
             if name in _FSDP1_ONLY:
                 raise ValueError(f"FullyShardedDataParallelPlugin({name}=...) has no FSDP2 meaning: {_FSDP1_ONLY[name]}")
@@ -79,6 +116,31 @@ class FullyShardedDataParallelPlugin:
                              "'no_wrap', or a callable(module) -> bool")
         if isinstance(self.transformer_cls_names_to_wrap, str):
             self.transformer_cls_names_to_wrap = [n.strip() for n in self.transformer_cls_names_to_wrap.split(",")]
+
+    def _fsdp1_field(self, name: str, value: Any) -> None:
+        """Accept an FSDP1 field whose meaning FSDP2 has (mapping it), else refuse it saying why."""
+        text = str(getattr(value, "name", value)).upper()
+        if name == "sharding_strategy":
+            if text in ("FULL_SHARD", "1"):
+                self.reshard_after_forward = True
+                return
+            if text in ("SHARD_GRAD_OP", "2"):
+                self.reshard_after_forward = False  # FSDP2's spelling of ZeRO-2
+                return
+        accepted = {
+            "backward_prefetch": True, "forward_prefetch": True, "limit_all_gathers": True,  # FSDP2 does it itself
+            "use_orig_params": value in (True, False),  # FSDP2 always keeps the original parameters
+            "sync_module_states": value in (True, False),  # prepare broadcasts rank 0's weights
+            "cpu_offload": not getattr(value, "offload_params", bool(value)),
+            "state_dict_type": text in ("SHARDED_STATE_DICT", "3", "FULL_STATE_DICT", "1"),
+            "state_dict_config": True, "optim_state_dict_config": True,  # save_model gathers a full one anyway
+            "min_num_params": value in (0, False),
+            "activation_checkpointing_offload": value is False,
+        }
+        if accepted.get(name, False):
+            return
+        raise ValueError(f"FullyShardedDataParallelPlugin({name}={value!r}) has no FSDP2 meaning here: "
+                         f"{_FSDP1_ONLY.get(name, _FSDP1_MORE.get(name, 'not supported'))}")
 
     @classmethod
     def from_config(cls, config: Any) -> FullyShardedDataParallelPlugin:
@@ -96,7 +158,7 @@ class FullyShardedDataParallelPlugin:
             name = {"transformer_layer_cls_to_wrap": "transformer_cls_names_to_wrap"}.get(name, name)
             if name in mine:
                 kwargs[name] = value
-            elif value not in (None, False) and name not in ("min_num_params", "version"):
+            elif value not in (None, False) and name != "version":
                 extra[name] = value
         return cls(**kwargs, extra=extra)
 
