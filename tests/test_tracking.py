@@ -1,0 +1,583 @@
+"""mixprec.tracking: log_with resolved as Accelerate resolves it, and trackers that really log.
+
+TensorBoard, MLflow and wandb run for real, offline, under tmp_path, and what they wrote is read back
+with each library's own reader. Comet, Aim, ClearML, DVCLive, SwanLab and trackio are not installed here:
+their tests put a stand-in module in ``sys.modules`` that records each call, and check the calls are the
+ones Accelerate makes. A tracker whose package is missing is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from mixprec.tracking import (
+    AimTracker,
+    ClearMLTracker,
+    CometMLTracker,
+    DVCLiveTracker,
+    GeneralTracker,
+    LoggerType,
+    SwanLabTracker,
+    TensorBoardTracker,
+    Trackers,
+    TrackioTracker,
+    WandBTracker,
+    register_tracker_class,
+    registry,
+    resolve_log_with,
+    start_trackers,
+)
+
+ALL_NAMES = ["aim", "tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab"]
+
+
+class Recorder(GeneralTracker):
+    """A user's tracker: records every call."""
+
+    name = "recorder"
+    requires_logging_directory = False
+
+    def __init__(self, main_process_only: bool = True):
+        super().__init__()
+        self.main_process_only = main_process_only
+        self.calls: list[tuple[Any, ...]] = []
+
+    @property
+    def tracker(self) -> list[tuple[Any, ...]]:
+        return self.calls
+
+    def start(self) -> None:
+        self.calls.append(("start",))
+
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        self.calls.append(("config", dict(values)))
+
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        self.calls.append(("log", dict(values), step, kwargs))
+
+    def finish(self) -> None:
+        self.calls.append(("finish",))
+
+
+# ---------------------------------------------------------------- log_with, as Accelerate reads it
+
+
+def test_logger_type_has_accelerates_members_and_values():
+    pytest.importorskip("accelerate", reason="compares with Accelerate: pip install accelerate")
+    from accelerate.utils import LoggerType as AccelerateLoggerType
+
+    assert {m.name: m.value for m in LoggerType} == {m.name: m.value for m in AccelerateLoggerType}
+    assert LoggerType.list() == AccelerateLoggerType.list()
+    assert str(LoggerType.COMETML) == "comet_ml" and LoggerType.WANDB == "wandb"
+    assert "wandb" in LoggerType and "wandbb" not in LoggerType
+
+
+def test_a_wrong_name_is_a_value_error_listing_the_valid_ones(tmp_path):
+    for wrong in ("tensorbord", ["tensorboard", "TensorBoard"], 3):
+        with pytest.raises(ValueError) as caught:
+            resolve_log_with(wrong, tmp_path)
+        assert all(repr(name) in str(caught.value) for name in ALL_NAMES), str(caught.value)
+
+
+def test_names_enums_and_instances_resolve_once_each_in_order(tmp_path):
+    pytest.importorskip("accelerate", reason="compares with Accelerate: pip install accelerate")
+    from accelerate.utils import LoggerType as AccelerateLoggerType
+
+    mine = Recorder()
+    assert resolve_log_with(None, tmp_path) == []
+    assert resolve_log_with("tensorboard", tmp_path) == ["tensorboard"]
+    assert resolve_log_with([LoggerType.TENSORBOARD, AccelerateLoggerType.TENSORBOARD, mine, "tensorboard"],
+                            tmp_path) == ["tensorboard", mine]
+    assert resolve_log_with((mine,)) == [mine]
+
+
+def test_all_is_every_installed_tracker_as_accelerates_filter_trackers_finds_them(tmp_path):
+    pytest.importorskip("accelerate", reason="compares with Accelerate: pip install accelerate")
+    from accelerate.tracking import filter_trackers
+
+    mine = Recorder()
+    theirs = [str(t) for t in filter_trackers(["all"], str(tmp_path))]
+    assert resolve_log_with("all", tmp_path) == theirs
+    assert resolve_log_with([mine, "all"], tmp_path) == [mine, *theirs]
+
+
+def test_a_tracker_writing_to_a_folder_without_one_is_an_error_stating_the_fix():
+    if not TensorBoardTracker.installed():
+        pytest.skip("tensorboard is not installed: pip install tensorboard")
+    for log_with in ("tensorboard", "all", ["aim"]):
+        if log_with == ["aim"] and not AimTracker.installed():
+            continue
+        with pytest.raises(ValueError, match=r"project_dir=\.\.\."):
+            resolve_log_with(log_with, None)
+    assert resolve_log_with(Recorder(), None)[0].name == "recorder"  # a tracker instance needs no folder
+
+
+@pytest.mark.parametrize("name, cls, pip_name", [("wandb", WandBTracker, "pip install wandb"),
+                                                ("comet_ml", CometMLTracker, "pip install comet-ml"),
+                                                ("aim", AimTracker, "pip install 'aim<4'")])
+def test_a_missing_package_is_an_import_error_naming_it(monkeypatch, tmp_path, name, cls, pip_name):
+    if not TensorBoardTracker.installed():
+        pytest.skip("tensorboard is not installed: pip install tensorboard")
+    monkeypatch.setitem(sys.modules, cls.module, None)  # `import <module>` now fails, as where it is not installed
+    assert not cls.installed()
+    with pytest.raises(ImportError, match=pip_name) as caught:
+        resolve_log_with(["tensorboard", name], tmp_path)
+    assert f"leave {name!r} out of log_with" in str(caught.value)
+    with pytest.raises(ImportError, match=pip_name):
+        cls("proj", tmp_path) if cls.requires_logging_directory else cls("proj")
+    assert name not in resolve_log_with("all", tmp_path)
+
+
+def test_all_with_nothing_installed_warns(monkeypatch):
+    for cls in registry.BUILTIN_TRACKERS.values():
+        monkeypatch.setattr(cls, "installed", classmethod(lambda cls: False))
+    with pytest.warns(UserWarning, match="found no tracker installed"):
+        assert resolve_log_with("all") == []
+
+
+# ---------------------------------------------------------------- a user's tracker, and the holder
+
+
+def test_a_users_tracker_receives_start_config_log_and_finish():
+    mine, other = Recorder(), Recorder()
+    other.name = "other"
+    trackers = Trackers([mine, other])
+    trackers.init("proj", config={"lr": 0.1}, init_kwargs={"recorder": {}}, is_main_process=True)
+    trackers.log({"loss": 1.5}, step=3, log_kwargs={"recorder": {"commit": True}})
+    assert trackers.get("recorder") is mine and trackers.get("recorder", unwrap=True) is mine.calls
+    with pytest.raises(ValueError, match="those running: 'recorder', 'other'"):
+        trackers.get("wandb")
+    trackers.finish()
+    assert mine.calls == [("start",), ("config", {"lr": 0.1}), ("log", {"loss": 1.5}, 3, {"commit": True}),
+                          ("finish",)]
+    assert other.calls[2] == ("log", {"loss": 1.5}, 3, {})  # log_kwargs go by tracker name
+    assert list(trackers) == [mine, other] and len(trackers) == 2
+
+
+def test_without_config_nothing_is_stored_and_a_tracker_lacking_attributes_says_which():
+    mine = Recorder()
+    assert start_trackers([mine], "proj", None, is_main_process=True) == [mine]
+    assert mine.calls == [("start",)]
+
+    class Incomplete(GeneralTracker):
+        name = "incomplete"
+
+    with pytest.raises(NotImplementedError, match="`requires_logging_directory`, `tracker`"):
+        Incomplete()
+
+
+def test_a_tracker_written_for_accelerate_works_as_it_is():
+    pytest.importorskip("accelerate", reason="a tracker written for Accelerate: pip install accelerate")
+    from accelerate.tracking import GeneralTracker as AccelerateTracker
+
+    class Theirs(AccelerateTracker):
+        name, requires_logging_directory = "theirs", False
+
+        def __init__(self):
+            super().__init__()
+            self.logged = []
+
+        @property
+        def tracker(self):
+            return self.logged
+
+        def log(self, values, step=None, **kwargs):
+            self.logged.append((values, step))
+
+    theirs = Theirs()
+    trackers = Trackers(theirs)
+    trackers.init("proj", config={"lr": 0.1}, is_main_process=True)
+    trackers.log({"loss": 1.0}, step=1)
+    trackers.finish()
+    assert theirs.logged == [({"loss": 1.0}, 1)]
+
+
+def test_the_other_processes_start_no_tracker_and_log_nothing(tmp_path):
+    if not TensorBoardTracker.installed():
+        pytest.skip("tensorboard is not installed: pip install tensorboard")
+    mine, everywhere = Recorder(), Recorder(main_process_only=False)
+    everywhere.name = "everywhere"
+    trackers = Trackers(["tensorboard", mine, everywhere], logging_dir=tmp_path)
+    trackers.init("proj", config={"lr": 0.1}, is_main_process=False)
+    trackers.log({"loss": 1.5}, step=1)
+    blank = trackers.get("tensorboard")
+    blank.log({"loss": 1.5}, step=1)
+    trackers.finish()
+    assert trackers.trackers == [] and type(blank) is GeneralTracker
+    assert mine.calls == [] and everywhere.calls == []  # Accelerate's init_trackers and log run on rank 0 only
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_main_process_only_tracker_called_directly_on_another_rank_does_nothing(monkeypatch, tmp_path):
+    if not TensorBoardTracker.installed():
+        pytest.skip("tensorboard is not installed: pip install tensorboard")
+    monkeypatch.setenv("RANK", "1")
+    tracker = TensorBoardTracker("proj", tmp_path)
+    tracker.start()
+    tracker.store_init_configuration({"lr": 0.1})
+    tracker.log({"loss": 1.5}, step=1)
+    tracker.finish()
+    assert tracker.tracker is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_registered_class_is_a_name_built_with_the_logging_dir(monkeypatch, tmp_path):
+    monkeypatch.setattr(registry, "TRACKER_CLASSES", dict(registry.TRACKER_CLASSES))
+
+    class Folder(Recorder):
+        name, requires_logging_directory = "folder", True
+
+        def __init__(self, project_name, logging_dir, suffix=""):
+            super().__init__()
+            self.where = Path(logging_dir) / (project_name + suffix)
+
+    register_tracker_class(Folder)
+    with pytest.raises(ValueError, match="project_dir"):
+        resolve_log_with("folder")
+    trackers = Trackers("folder", logging_dir=tmp_path)
+    trackers.init("proj", init_kwargs={"folder": {"suffix": "-1"}}, is_main_process=True)
+    assert trackers.get("folder").where == tmp_path / "proj-1"
+    with pytest.warns(UserWarning, match="replaces"):
+        register_tracker_class(Folder)
+    with pytest.raises(ValueError, match="subclass of mixprec.tracking.GeneralTracker"):
+        register_tracker_class(object)
+
+
+def test_init_kwargs_of_no_tracker_warn_and_of_the_wrong_type_fail():
+    with pytest.warns(UserWarning, match=r"init_kwargs\['wandbb'\] names no tracker"):
+        start_trackers([Recorder()], "proj", None, None, {"wandbb": {}}, is_main_process=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a known tracker that is not in use is fine (scripts pass several)
+        start_trackers([Recorder()], "proj", None, None, {"wandb": {"tags": ["a"]}}, is_main_process=True)
+    with pytest.raises(TypeError, match=r"init_kwargs\['recorder'\] is a list"):
+        start_trackers([Recorder()], "proj", None, None, {"recorder": []}, is_main_process=True)
+
+
+def test_a_tracker_failing_to_start_finishes_those_started():
+    first = Recorder()
+
+    class Failing(Recorder):
+        name = "failing"
+
+        def start(self):
+            raise RuntimeError("no server")
+
+    with pytest.raises(RuntimeError, match="no server"):
+        start_trackers([first, Failing()], "proj", None, {"lr": 0.1}, is_main_process=True)
+    assert first.calls == [("start",), ("finish",)]
+
+
+def test_finish_closes_every_tracker_even_after_one_fails():
+    class Failing(Recorder):
+        name = "failing"
+
+        def finish(self):
+            raise OSError("disk full")
+
+    last = Recorder()
+    trackers = Trackers([Failing(), last])
+    trackers.init("proj", is_main_process=True)
+    with pytest.raises(OSError, match="disk full"):
+        trackers.finish()
+    assert last.calls[-1] == ("finish",)
+
+
+# ---------------------------------------------------------------- TensorBoard, MLflow, wandb: for real
+
+
+def test_tensorboard_logs_scalars_text_dicts_and_the_config_read_back(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trackers = Trackers("tensorboard", logging_dir=tmp_path)
+    config = {"lr": 0.01, "optimizer": "adamw", "amp": True}
+    trackers.init("proj", config=config, init_kwargs={"tensorboard": {"flush_secs": 5}}, is_main_process=True)
+    trackers.log({"loss": 1.5, "note": "warming up", "lr": {"group0": 0.5, "group1": 0.25},
+                  "grad_norm": torch.tensor(0.75, dtype=torch.bfloat16)}, step=3)
+    trackers.log({"loss": 1.25}, step=4)
+    trackers.get("tensorboard").log_images({"samples": torch.zeros(2, 3, 4, 4)}, step=4)
+    writer = trackers.get("tensorboard", unwrap=True)
+    trackers.finish()
+
+    run = tmp_path / "proj"
+    assert writer.log_dir == str(run)
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0, "tensors": 0, "images": 0})
+    events.Reload()
+    assert [(s.step, s.value) for s in events.Scalars("loss")] == [(3, 1.5), (4, 1.25)]
+    assert [(s.step, s.value) for s in events.Scalars("grad_norm")] == [(3, 0.75)]
+    text = events.Tensors("note/text_summary")[0]
+    assert text.step == 3 and text.tensor_proto.string_val == [b"warming up"]
+    assert [(i.step, i.width, i.height) for i in events.Images("samples")] == [(4, 8, 4)]
+    for group, value in (("group0", 0.5), ("group1", 0.25)):  # add_scalars: one sub-run per key
+        sub = EventAccumulator(str(run / f"lr_{group}"))
+        sub.Reload()
+        assert [(s.step, s.value) for s in sub.Scalars("lr")] == [(3, value)]
+
+    (yml,) = run.glob("*/hparams.yml")
+    assert _yaml(yml) == config
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    (hparams,) = [f for f in run.glob("*/events.out.tfevents.*") if not f.parent.name.startswith("lr_")]
+    start = [v for event in EventFileLoader(str(hparams)).Load() for v in event.summary.value
+             if v.tag == "_hparams_/session_start_info"]
+    got = plugin_data_pb2.HParamsPluginData.FromString(start[0].metadata.plugin_data.content).session_start_info.hparams
+    assert {k: getattr(v, v.WhichOneof("kind")) for k, v in got.items()} == {"lr": 0.01, "optimizer": "adamw", "amp": True}
+
+
+def _yaml(path: Path) -> Any:
+    try:
+        import yaml
+    except ImportError:
+        return json.loads(path.read_text())
+    return yaml.safe_load(path.read_text())
+
+
+def test_tensorboard_warns_of_a_value_it_does_not_log(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install tensorboard")
+    trackers = Trackers("tensorboard", logging_dir=tmp_path)
+    trackers.init("proj", is_main_process=True)
+    with pytest.warns(UserWarning, match="did not log 'weights': its value is a list"):
+        trackers.log({"weights": torch.ones(3)}, step=1)
+    trackers.finish()
+
+
+def test_mlflow_logs_metrics_and_params_to_a_local_file_store_read_back(monkeypatch, tmp_path):
+    pytest.importorskip("mlflow", reason="mlflow is not installed: pip install mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses the file store without it
+    for name in ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "MLFLOW_TAGS", "MLFLOW_NESTED_RUN"):
+        monkeypatch.delenv(name, raising=False)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("fp16 run")
+
+    trackers = Trackers("mlflow")
+    with pytest.warns(UserWarning, match="did not log 'huge'"):
+        trackers.init("proj", config={"lr": 0.1, "optimizer": "adamw", "huge": "x" * 10_000},
+                      init_kwargs={"mlflow": {"run_name": "first", "tags": {"team": "mp"}}}, is_main_process=True)
+    with pytest.warns(UserWarning, match="did not log 'note'"):
+        trackers.log({"loss": 1.5, "note": "text"}, step=3)
+    trackers.log({"loss": torch.tensor(1.25)}, step=4)
+    trackers.get("mlflow").log_artifact(str(notes))
+    run_id = trackers.get("mlflow", unwrap=True).info.run_id
+    trackers.finish()
+
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(3, 1.5), (4, 1.25)]
+    assert run.data.params == {"lr": "0.1", "optimizer": "adamw"}
+    assert run.data.tags["team"] == "mp" and run.info.run_name == "first" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "proj"
+    assert [a.path for a in client.list_artifacts(run_id)] == ["notes.txt"]
+
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")  # the environment wins, as in Accelerate
+    trackers = Trackers("mlflow")
+    trackers.init("proj", is_main_process=True)
+    experiment_id = trackers.get("mlflow", unwrap=True).info.experiment_id
+    trackers.finish()
+    assert client.get_experiment(experiment_id).name == "from-env"
+
+
+def _wandb_records(path: Path) -> list[Any]:
+    """The records of a wandb run file: a 7-byte header, then LevelDB-log blocks of 32 KiB whose records
+    (checksum, length, type: 1 full, 2 first, 3 middle, 4 last) hold serialized ``Record`` protos."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, pos, pending, records = path.read_bytes(), 32768, 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(pending))
+            pending = b""
+    return records
+
+
+def test_wandb_offline_run_holds_the_config_and_the_logged_steps(monkeypatch, tmp_path):
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DIR": tmp_path,
+           "WANDB_CONFIG_DIR": tmp_path / "config", "WANDB_CACHE_DIR": tmp_path / "cache",
+           "WANDB_DATA_DIR": tmp_path / "data", "WANDB_DISABLE_GIT": "true"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+    monkeypatch.chdir(tmp_path)
+
+    trackers = Trackers(LoggerType.WANDB)
+    trackers.init("proj", config={"lr": 0.1, "optimizer": "adamw"},
+                  init_kwargs={"wandb": {"dir": str(tmp_path), "name": "first", "tags": ["mixprec"]}},
+                  is_main_process=True)
+    run = trackers.get("wandb", unwrap=True)
+    assert (run.project, run.name, list(run.tags)) == ("proj", "first", ["mixprec"])
+    trackers.log({"loss": 1.5, "note": "warming up"}, step=3)
+    trackers.log({"loss": 1.25}, step=4)
+    trackers.finish()
+
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    records = _wandb_records(run_file)
+    config = {u.key: json.loads(u.value_json) for r in records if r.WhichOneof("record_type") == "config"
+              for u in r.config.update}
+    assert config["lr"] == 0.1 and config["optimizer"] == "adamw"
+    history = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    assert [(h["_step"], h["loss"]) for h in history] == [(3, 1.5), (4, 1.25)]
+    assert history[0]["note"] == "warming up"
+    assert (run_file.parent / "files").is_dir()
+
+
+# ---------------------------------------------------------------- the trackers not installed here: their calls
+
+
+class Fake:
+    """Stands in for a library: each call, attribute set and item set becomes a line of text in ``calls``.
+    A call returns a ``Fake`` named after it, so ``comet_ml.start()`` is ``Fake("comet_ml.start()")``."""
+
+    def __init__(self, calls: list[str], path: str, **fixed: Any):
+        object.__setattr__(self, "calls", calls)
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "fixed", fixed)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.fixed:
+            return self.fixed[name]
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Fake(self.calls, f"{self.path}.{name}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Fake:
+        shown = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in sorted(kwargs.items())]
+        self.calls.append(f"{self.path}({', '.join(shown)})")
+        return Fake(self.calls, f"{self.path}()")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.calls.append(f"{self.path}.{name} = {value!r}")
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.calls.append(f"{self.path}[{key!r}] = {value!r}")
+
+    def __repr__(self) -> str:
+        return self.path
+
+
+def _stand_in(monkeypatch, cls: type, calls: list[str], modules: dict[str, dict[str, Any]]) -> None:
+    for name, fixed in modules.items():
+        monkeypatch.setitem(sys.modules, name, Fake(calls, name, **fixed))
+    monkeypatch.setattr(cls, "installed", classmethod(lambda cls: True))
+
+
+VALUES = {"loss": 1.5, "note": "hi", "lr": {"g0": 0.5}}
+
+
+def _clearml(calls: list[str]) -> dict[str, dict[str, Any]]:
+    return {"clearml": {"Task": Fake(calls, "clearml.Task", current_task=lambda: None)}}
+
+
+def _dvclive(calls: list[str]) -> dict[str, dict[str, Any]]:
+    return {"dvclive": {}, "dvclive.plots": {"Metric": SimpleNamespace(could_log=lambda v: isinstance(v, (int, float)))}}
+
+
+# name -> (class, the stand-in modules' fixed attributes, the calls expected)
+STAND_INS: dict[str, tuple[type, Any, list[str]]] = {
+    "comet_ml": (CometMLTracker, lambda calls: {"comet_ml": {"__version__": "3.49.1"}}, [
+        "comet_ml.start(project_name='proj', workspace='w')",
+        "comet_ml.start().log_parameters({'lr': 0.1})",
+        "comet_ml.start().set_step(3)",
+        "comet_ml.start().log_metric('loss', 1.5, step=3)",
+        "comet_ml.start().log_other('note', 'hi')",
+        "comet_ml.start().log_metrics({'g0': 0.5}, step=3)",
+        "comet_ml.start().end()"]),
+    "aim": (AimTracker, lambda calls: {"aim": {}}, [
+        "aim.Run(repo=<dir>, workspace='w')",
+        "aim.Run().name = 'proj'",
+        "aim.Run()['hparams'] = {'lr': 0.1}",
+        "aim.Run().track(1.5, name='loss', step=3)",
+        "aim.Run().track('hi', name='note', step=3)",
+        "aim.Run().track({'g0': 0.5}, name='lr', step=3)",
+        "aim.Run().close()"]),
+    "clearml": (ClearMLTracker, _clearml, [
+        "clearml.Task.init(project_name='proj', task_name='proj', workspace='w')",
+        "clearml.Task.init().connect_configuration({'lr': 0.1})",
+        "clearml.Task.init().get_logger()",
+        "clearml.Task.init().get_logger().report_scalar(iteration=3, series='train', title='loss', value=1.5)",
+        "clearml.Task.init().close()"]),
+    "dvclive": (DVCLiveTracker, _dvclive, [
+        "dvclive.Live(workspace='w')",
+        "dvclive.Live().log_params({'lr': 0.1})",
+        "dvclive.Live().step = 3",
+        "dvclive.Live().log_metric('loss', 1.5)",
+        "dvclive.Live().next_step()",
+        "dvclive.Live().end()"]),
+    "swanlab": (SwanLabTracker, lambda calls: {"swanlab": {}}, [
+        "swanlab.init(project='proj', workspace='w')",
+        "swanlab.config.update({'lr': 0.1}, allow_val_change=True)",
+        "swanlab.init().log(<values>, step=3)",
+        "swanlab.init().finish()"]),
+    "trackio": (TrackioTracker, lambda calls: {"trackio": {}}, [
+        "trackio.init(project='proj', workspace='w')",
+        "trackio.config.update({'lr': 0.1}, allow_val_change=True)",
+        "trackio.init().log(<values>, step=3)",
+        "trackio.init().finish()"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STAND_INS))
+def test_trackers_not_installed_here_make_accelerates_calls(monkeypatch, tmp_path, name):
+    cls, modules, expected = STAND_INS[name]
+    calls: list[str] = []
+    _stand_in(monkeypatch, cls, calls, modules(calls))
+    monkeypatch.delenv("CLEARML_PROJECT", raising=False)
+    monkeypatch.delenv("CLEARML_TASK", raising=False)
+    trackers = Trackers(name, logging_dir=tmp_path)
+    trackers.init("proj", config={"lr": 0.1}, init_kwargs={name: {"workspace": "w"}}, is_main_process=True)
+    with warnings.catch_warnings(record=True) as dropped:
+        warnings.simplefilter("always")
+        trackers.log(VALUES, step=3)
+    trackers.finish()
+    expected = [line.replace("<dir>", repr(tmp_path)).replace("<values>", repr(VALUES)) for line in expected]
+    assert calls == expected
+    if name in ("clearml", "dvclive"):  # numbers only: the string and the dict are warned about
+        assert sorted(str(w.message).split("'")[1] for w in dropped) == ["lr", "note"]
+
+
+def test_comet_before_3_41_builds_an_experiment_and_clearml_keeps_a_task_started_outside(monkeypatch):
+    calls: list[str] = []
+    _stand_in(monkeypatch, CometMLTracker, calls, {"comet_ml": {"__version__": "3.40.2"}})
+    tracker = CometMLTracker("proj")
+    tracker.start()
+    assert calls == ["comet_ml.Experiment(project_name='proj')"]
+
+    calls.clear()
+    outside = Fake(calls, "task")
+    _stand_in(monkeypatch, ClearMLTracker, calls, {"clearml": {"Task": SimpleNamespace(current_task=lambda: outside)}})
+    tracker = ClearMLTracker("proj")
+    tracker.start()
+    tracker.log({"eval_loss": 0.5})
+    tracker.finish()
+    assert tracker.tracker is outside
+    assert calls == ["task.get_logger()", "task.get_logger().report_single_value(name='eval_loss', value=0.5)"]
+    assert ClearMLTracker.title_series("eval_loss") == ("loss", "eval")
+
+
+def test_every_builtin_tracker_is_a_log_with_name_and_a_logger_type():
+    assert sorted(registry.BUILTIN_TRACKERS) == sorted(n for n in LoggerType.list() if n != "all")
+    for name, cls in registry.BUILTIN_TRACKERS.items():
+        assert cls.name == name and isinstance(cls.main_process_only, bool)
+    assert isinstance(LoggerType.ALL, enum.Enum) and LoggerType("all") is LoggerType.ALL
