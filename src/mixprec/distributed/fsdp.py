@@ -140,7 +140,7 @@ class FullyShardedDataParallelPlugin:
         if accepted.get(name, False):
             return
         raise ValueError(f"FullyShardedDataParallelPlugin({name}={value!r}) has no FSDP2 meaning here: "
-                         f"{_FSDP1_ONLY.get(name, _FSDP1_MORE.get(name, 'not supported'))}")
+                         f"{_FSDP1_MORE.get(name) or _FSDP1_ONLY.get(name, 'not supported')}")
 
     @classmethod
     def from_config(cls, config: Any) -> FullyShardedDataParallelPlugin:

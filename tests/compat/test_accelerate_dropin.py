@@ -1,0 +1,226 @@
+"""Accelerate's contract beyond its tests (issue 23): kwargs_handlers, what `accelerate launch` sets,
+Accelerate's utilities beside mixprec, transparent prepared optimizers, the FSDP1 plugin fields,
+and the rest of the Accelerator's public names."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mixprec
+from mixprec import Accelerator, FullyShardedDataParallelPlugin
+from mixprec.accelerator.handlers import GradScalerKwargs, ProfileKwargs
+from mixprec.accelerator.state import DistributedType, split_for_process
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate import utils as au  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+# -- kwargs_handlers ---------------------------------------------------------------------------------
+def test_accelerates_handlers_reach_the_parts_that_use_them(tmp_path):
+    acc = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[
+        au.GradScalerKwargs(init_scale=1024.0, growth_interval=10),
+        au.DistributedDataParallelKwargs(find_unused_parameters=True, comm_hook=au.DDPCommunicationHookType.BF16),
+        au.InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=90)),
+        au.ProfileKwargs(activities=["cpu"], output_trace_dir=str(tmp_path / "trace"))])
+    assert acc.precision.scaler.get_scale() == 1024.0 and acc.precision.scaler.get_growth_interval() == 10
+    assert acc.preparer.ddp_kwargs == {"find_unused_parameters": True} and acc.ddp_comm_hook == "bf16"
+    assert acc.init_handler.timeout == datetime.timedelta(seconds=90)
+    assert acc.scaler_handler.init_scale == 1024.0 and acc.ddp_handler.find_unused_parameters
+    with acc.profile() as prof:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    assert "aten::mm" in prof.key_averages().table()
+    assert (tmp_path / "trace" / "trace_0.json").is_file()
+
+
+def test_a_scaler_handler_under_a_precision_without_a_scaler_is_ignored_as_in_accelerate():
+    acc = Accelerator(cpu=True, kwargs_handlers=[GradScalerKwargs(init_scale=8.0)])
+    assert acc.precision.scaler is None and acc.scaler_handler.init_scale == 8.0
+
+
+def test_autocast_handler_turns_autocast_off_inside_the_block():
+    acc = Accelerator(cpu=True, mixed_precision="bf16", kwargs_handlers=[au.AutocastKwargs(enabled=False)])
+    with acc.autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    with acc.autocast(autocast_handler=mixprec.accelerator.handlers.AutocastKwargs(enabled=True)):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+def test_wrong_or_repeated_or_fp8_handlers_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="You can only pass one GradScalerKwargs"):
+        Accelerator(cpu=True, kwargs_handlers=[GradScalerKwargs(), au.GradScalerKwargs()])
+    with pytest.raises(ValueError, match="it takes AutocastKwargs, DistributedDataParallelKwargs"):
+        Accelerator(cpu=True, kwargs_handlers=[object()])
+    with pytest.raises(NotImplementedError, match="fp8 training is not in mixprec yet"):
+        Accelerator(cpu=True, kwargs_handlers=[type("AORecipeKwargs", (), {})()])  # Accelerate's needs torchao
+    with pytest.raises(ValueError, match="power_sgd"):
+        Accelerator(cpu=True, kwargs_handlers=[
+            au.DistributedDataParallelKwargs(comm_hook=au.DDPCommunicationHookType.POWER_SGD)])
+
+
+def test_profile_kwargs_build_a_scheduled_profiler():
+    steps = []
+    handler = ProfileKwargs(schedule_option={"wait": 1, "warmup": 1, "active": 1}, on_trace_ready=steps.append)
+    with Accelerator(cpu=True).profile(handler) as prof:
+        for _ in range(4):
+            torch.ones(8) + 1
+            prof.step()
+    assert len(steps) == 1
+
+
+# -- what `accelerate launch` sets ----------------------------------------------------------------------
+def test_the_launchers_environment_applies_where_the_script_passes_no_argument(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    acc = Accelerator()
+    assert acc.mixed_precision == "bf16" and acc.device.type == "cpu" and acc.gradient_accumulation_steps == 4
+    assert acc.precision_report().precision == "bf16-mixed"
+    explicit = Accelerator(mixed_precision="no", gradient_accumulation_steps=2)
+    assert explicit.mixed_precision == "no" and explicit.gradient_accumulation_steps == 2
+
+
+LAUNCHED = """
+import json, sys, torch
+if sys.argv[1] == "mixprec":
+    from mixprec import Accelerator
+else:
+    from accelerate import Accelerator
+acc = Accelerator()
+model, opt = acc.prepare(torch.nn.Linear(4, 4), torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1))
+with acc.autocast():
+    out = torch.randn(2, 4, device=acc.device) @ torch.randn(4, 4, device=acc.device)
+print("RESULT " + json.dumps({"n": acc.num_processes, "mixed_precision": acc.mixed_precision,
+                              "out": str(out.dtype), "device": acc.device.type,
+                              "accumulation": acc.gradient_accumulation_steps}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [["--cpu", "--mixed_precision", "bf16"], ["--config_file", "CONFIG"]])
+def test_accelerate_launch_starts_mixprec_as_it_starts_accelerate(tmp_path, how):
+    """`accelerate launch` (Accelerate's own command) with flags or an `accelerate config` file
+    (MULTI_CPU, 2 processes asked: on the CPU Accelerate 1.16 starts one, and says bf16)."""
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCHED)
+    config = tmp_path / "config.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nmixed_precision: bf16\n"
+                      "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nuse_cpu: true\n")
+    args = [str(config) if a == "CONFIG" else a for a in how]
+    seen = {}
+    for side in ("accelerate", "mixprec"):
+        proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *args, str(script), side],
+                              capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen[side] = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert seen["mixprec"] == seen["accelerate"]
+    assert seen["mixprec"][0]["mixed_precision"] == "bf16" and seen["mixprec"][0]["out"] == "torch.bfloat16"
+
+
+def test_accelerates_logging_and_utilities_work_beside_mixprecs_accelerator(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(
+        "from accelerate.logging import get_logger\nfrom accelerate.utils import gather_object\n"
+        "from mixprec import Accelerator\nimport logging\nlogging.basicConfig(level=logging.INFO)\n"
+        "acc = Accelerator(cpu=True)\nget_logger('x').info('hello from rank %d', acc.process_index)\n"
+        "print('gathered', gather_object(['a']))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hello from rank 0" in proc.stderr and "gathered ['a']" in proc.stdout
+
+
+# -- prepared objects are transparent ---------------------------------------------------------------
+class Remembering(torch.optim.SGD):
+    """An optimizer with its own methods and attributes (as schedule-free optimizers have)."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+        self.mode = "train"
+        self.custom_attribute = 42
+
+    def train(self):
+        self.mode = "train"
+
+    def eval(self):
+        self.mode = "eval"
+
+
+def test_the_prepared_optimizer_passes_its_methods_and_attributes_through():
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    _, opt = acc.prepare(model, Remembering(model.parameters()))
+    opt.eval()
+    assert opt.optimizer.mode == "eval" and opt.mode == "eval" and opt.custom_attribute == 42
+    opt.train()
+    assert opt.optimizer.mode == "train"
+    with pytest.raises(AttributeError):
+        opt.no_such_thing  # noqa: B018
+
+
+# -- FSDP1 fields -------------------------------------------------------------------------------------------
+def test_fsdp1_fields_with_an_fsdp2_meaning_are_taken_and_the_others_explained():
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+
+    plugin = FullyShardedDataParallelPlugin(
+        state_dict_config=FullStateDictConfig(offload_to_cpu=False, rank0_only=False),
+        optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False),
+        sharding_strategy="SHARD_GRAD_OP", use_orig_params=True, sync_module_states=True,
+        backward_prefetch="BACKWARD_PRE", limit_all_gathers=True, state_dict_type="SHARDED_STATE_DICT")
+    assert plugin.reshard_after_forward is False
+    assert FullyShardedDataParallelPlugin(sharding_strategy="FULL_SHARD").reshard_after_forward is True
+    for name, value, why in [("sharding_strategy", "HYBRID_SHARD", "HYBRID_SHARD is not offered"),
+                             ("cpu_offload", True, "offloading parameters to the CPU"),
+                             ("mixed_precision_policy", object(), "Accelerator\\(mixed_precision"),
+                             ("ignored_modules", [torch.nn.Linear(1, 1)], "every parameter is sharded"),
+                             ("param_init_fn", print, "build the model on every rank"),
+                             ("min_num_params", 1000, "size-based wrapping is not offered")]:
+        with pytest.raises(ValueError, match=f"{name}=.*has no FSDP2 meaning here: .*{why}"):
+            FullyShardedDataParallelPlugin(**{name: value})
+
+
+# -- the rest of the surface -----------------------------------------------------------------------------------
+def test_distributed_type_has_every_one_of_accelerates_members_and_compares_equal():
+    from accelerate.utils import DistributedType as Theirs
+
+    assert [m.name for m in DistributedType] == [m.name for m in Theirs]
+    assert all(DistributedType[m.name] == m for m in Theirs)
+
+
+def test_split_between_processes_gives_contiguous_shares_like_accelerate():
+    data = list(range(7))
+    shares = [split_for_process(data, 3, i) for i in range(3)]
+    assert shares == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [split_for_process(data, 3, i, apply_padding=True) for i in range(3)] == [[0, 1, 2], [3, 4, 6], [5, 6, 6]]
+    t = torch.arange(5)
+    assert torch.equal(split_for_process({"x": t}, 2, 1)["x"], torch.tensor([3, 4]))
+    acc = Accelerator(cpu=True)
+    with acc.split_between_processes(data) as mine:
+        assert mine == data  # one process: everything
+
+
+def test_the_remaining_accelerator_names_answer_as_accelerate_does_without_their_feature(tmp_path):
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    assert acc.deepspeed_plugin is None and acc.state.deepspeed_plugin is None and acc.parallelism_config is None
+    assert acc.native_amp and not acc.multi_device and not acc.is_fsdp2 and acc.should_save_model
+    assert acc.even_batches and acc.dispatch_batches is None and not acc.non_blocking
+    assert torch.equal(acc.pad_across_processes(torch.ones(3)), torch.ones(3))
+    with pytest.raises(RuntimeError, match="parallelism_config"):
+        acc.data_parallel_rank  # noqa: B018
+    acc.save({"w": torch.ones(2)}, tmp_path / "w.safetensors", safe_serialization=True)
+    acc.save({"w": torch.ones(2)}, tmp_path / "w.bin")
+    assert torch.load(tmp_path / "w.bin", weights_only=True)["w"].sum() == 2
+    with pytest.raises(NotImplementedError, match="DeepSpeed"):
+        Accelerator(cpu=True, deepspeed_plugin=object())
+    assert Accelerator(cpu=True, dynamo_backend="eager").preparer.compile == {"backend": "eager"}
