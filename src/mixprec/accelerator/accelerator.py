@@ -52,6 +52,7 @@ from mixprec.precision import (
 )
 from mixprec.precision.fallback import fallback_target, log_fallback
 from mixprec.precision.scaler import LossScaleCollapse, LossScaler
+from mixprec.tracking import Trackers
 
 __all__ = ["Accelerator"]
 
@@ -137,7 +138,7 @@ class Accelerator:
                  step_scheduler_with_optimizer: bool = True,
                  fsdp_plugin: FullyShardedDataParallelPlugin | dict | None = None,
                  skip_nonfinite_steps: bool | str = False, precision_config: PrecisionConfig | None = None,
-                 kwargs_handlers: list[Any] | None = None, rng_types: list[str] | None = None,
+                 kwargs_handlers: list[Any] | None = None, log_with: Any = None, rng_types: list[str] | None = None,
                  dynamo_backend: str | None = None, dynamo_plugin: Any = None, deepspeed_plugin: Any = None,
                  deepspeed_plugins: Any = None, megatron_lm_plugin: Any = None, torch_tp_plugin: Any = None,
                  parallelism_config: Any = None) -> None:
@@ -249,6 +250,8 @@ class Accelerator:
         #: Who this process is (Accelerate's ``accelerator.state``; this Accelerator's own, not global).
         self.state = AcceleratorState(self.processes, mixed_precision=_ACCELERATE_NAMES[policy.name])
         self.state.is_fsdp2 = self.fsdp_plugin is not None
+        #: Experiment tracking (``log_with``): started by :meth:`init_trackers`, on the main process.
+        self.tracking = Trackers(log_with, self.project_configuration.logging_dir)
         #: Gradient accumulation as the loop sees it (Accelerate's ``accelerator.gradient_state``).
         self.gradient_state = GradientState(gradient_accumulation_steps, plugin.adjust_scheduler,
                                             plugin.sync_with_dataloader, plugin.sync_each_batch)
@@ -793,8 +796,38 @@ class Accelerator:
         """Alias of :meth:`free_memory`."""
         return self.free_memory(*objects)
 
+    # -- experiment tracking (Accelerate's log_with) -------------------------------------------
+    @property
+    def log_with(self) -> list[Any]:
+        """The trackers asked for (names and ``GeneralTracker`` instances)."""
+        return self.tracking.log_with
+
+    @property
+    def trackers(self) -> list[Any]:
+        """The running trackers (none before :meth:`init_trackers`, and none on the other processes)."""
+        return self.tracking.trackers
+
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
+                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Start the trackers of ``log_with`` on the main process, store ``config`` (the run's
+        hyperparameters) in each; ``init_kwargs[name]`` goes to that tracker's constructor."""
+        self.tracking.logging_dir = self.project_configuration.logging_dir
+        self.tracking.init(project_name, config, init_kwargs, is_main_process=self.is_main_process)
+
+    def log(self, values: dict[str, Any], step: int | None = None,
+            log_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Log ``values`` to every running tracker (a no-op on the other processes)."""
+        self.tracking.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The running tracker ``name`` (its library's own object with ``unwrap``); a placeholder
+        that does nothing where none runs (the other processes), as in Accelerate."""
+        return self.tracking.get(name, unwrap)
+
     def end_training(self) -> None:
-        """Finish a checkpoint still being written, then release the process group, if several processes ran."""
+        """Finish the trackers and a checkpoint still being written, then release the process group,
+        if several processes ran."""
+        self.tracking.finish()
         self.wait_for_checkpoint()
         if self.use_distributed and torch.distributed.is_initialized():
             self.wait_for_everyone()
