@@ -6,8 +6,9 @@ A prepared dataloader rebuilds the user's ``DataLoader`` around a batch sampler 
   default), and makes the last round the same size on every process by repeating samples from
   the start of the epoch: ``remainder`` says how many, so ``gather_for_metrics`` can drop them;
 * can skip the first ``n`` batches of an epoch without loading them (a resume mid-epoch);
-* owns a ``torch.Generator`` for the shuffle order and the workers' base seed, so iterating
-  never draws from the global RNG and a checkpoint can restore the epoch's order exactly.
+* owns a ``torch.Generator`` for the shuffle order, drawn as Accelerate's prepared loaders draw
+  theirs (so the same ``set_seed`` gives the same batches), and a checkpoint restores the
+  epoch's order exactly.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class PreparedDataLoader:
 
     def __init__(self, loader: DataLoader, *, device: torch.device | None, world_size: int = 1, rank: int = 0,
                  seed: int = 0, float_dtype: torch.dtype | None = None, on_iter=None, on_end=None,
-                 non_blocking: bool | None = None, resume_position: bool = True) -> None:
+                 non_blocking: bool | None = None, resume_position: bool = True, shuffle: str = "seedable") -> None:
         self.base_loader = loader
         self.device = device
         self.float_dtype = float_dtype
@@ -133,10 +134,19 @@ class PreparedDataLoader:
         user_gen = loader.generator
         if user_gen is None and isinstance(sampler, RandomSampler):
             user_gen = sampler.generator
-        # Our own generator is re-seeded from (seed, epoch) at each epoch's start, so set_epoch(e)
-        # replays epoch e's order; a user's generator simply runs on, as it would without us.
+        # How our own generator (the user gave none) gets each epoch's shuffle order, as Accelerate's
+        # prepared loaders get theirs: "seedable" re-seeds it with seed + epoch (use_seedable_sampler,
+        # data_seed); "per_epoch" seeds it from a draw of torch's global RNG at each epoch's start
+        # (one process: torch's own RandomSampler); "continue" lets it run on from ``seed`` (several
+        # processes: the synchronised generator). A user's generator simply runs on.
+        if shuffle not in ("seedable", "per_epoch", "continue"):
+            raise ValueError(f"shuffle must be 'seedable', 'per_epoch' or 'continue', got {shuffle!r}")
         self._own_generator = user_gen is None
+        self._shuffle = shuffle
+        self._restored = False  # a mid-epoch state was loaded: the next epoch draws nothing
         self.generator = user_gen if user_gen is not None else torch.Generator().manual_seed(seed)
+        # The workers' base seed comes from a generator apart, so drawing it leaves the order's alone.
+        self._worker_generator = torch.Generator().manual_seed(seed)
         self.epoch = 0
         self.batches_yielded = 0
         self.end_of_dataloader = False
@@ -163,7 +173,7 @@ class PreparedDataLoader:
         kwargs = dict(
             batch_sampler=self._sharder, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
             pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context, generator=self.generator,
+            multiprocessing_context=loader.multiprocessing_context, generator=self._worker_generator,
             persistent_workers=loader.persistent_workers,
         )
         if loader.num_workers > 0:
@@ -235,6 +245,7 @@ class PreparedDataLoader:
         self.epoch = int(state["epoch"])
         self.seed = int(state.get("seed", self.seed))
         self.generator.set_state(state["generator_state"])
+        self._restored = int(state["batches_yielded"]) > 0  # that epoch's order is the state's, drawn already
         self.skip_batches(int(state["batches_yielded"]) if self.resume_position else 0)
 
     def __iter__(self) -> Iterator[Any]:
@@ -242,15 +253,20 @@ class PreparedDataLoader:
             self._on_iter(self)
         # Restored by load_state_dict(), or simply where the last epoch left it: the state from
         # which this epoch's shuffle order (and the workers' base seed) will be drawn.
-        if self._own_generator:
-            self.generator.manual_seed(self.seed + self.epoch)
+        restored, self._restored = self._restored, False
+        if self._own_generator and not self._iterable and not restored:
+            # What torch's DataLoader draws from the global RNG at each epoch (the workers' base seed),
+            # then, in one process, what its RandomSampler draws: the same draws, in the same order.
+            self._worker_generator.manual_seed(_draw())
+            if self._shuffle == "per_epoch":
+                self.generator.manual_seed(_draw())
+            elif self._shuffle == "seedable":
+                self.generator.manual_seed(self.seed + self.epoch)
         self._epoch_start_state = self.generator.get_state()
         if self._workers_started:
-            # torch draws the workers' base seed from the generator (before the sampler's shuffle)
-            # when it starts the workers, and persistent workers are started once: a resumed run,
-            # which starts them in a later epoch, would shuffle that epoch differently. Draw it here
-            # in the epochs torch does not, so every epoch's order depends on its state alone.
-            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            # torch draws the workers' base seed when it starts the workers, and persistent workers
+            # are started once: draw it here in the epochs torch does not.
+            torch.empty((), dtype=torch.int64).random_(generator=self._worker_generator)
         self._workers_started = self.loader.persistent_workers and self.loader.num_workers > 0
         skip, self._skip = self._skip, 0
         if self._sharder is not None:
@@ -287,3 +303,8 @@ class PreparedDataLoader:
 
 
 _END = object()
+
+
+def _draw() -> int:
+    """One int64 from torch's global RNG, drawn as torch's DataLoader and RandomSampler draw their seeds."""
+    return int(torch.empty((), dtype=torch.int64).random_().item())

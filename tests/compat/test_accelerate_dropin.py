@@ -224,3 +224,25 @@ def test_the_remaining_accelerator_names_answer_as_accelerate_does_without_their
     with pytest.raises(NotImplementedError, match="DeepSpeed"):
         Accelerator(cpu=True, deepspeed_plugin=object())
     assert Accelerator(cpu=True, dynamo_backend="eager").preparer.compile == {"backend": "eager"}
+
+
+# -- the same batches as Accelerate for the same seed ----------------------------------------------------
+def _orders(lib: str, mode: str, nproc: int) -> list[dict]:
+    from toys import SCRIPTS, torchrun
+
+    script = SCRIPTS / "batch_order.py"
+    cmd = torchrun(script, lib, mode, nproc=nproc) if nproc > 1 else [sys.executable, str(script), lib, mode]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sorted(line for line in proc.stdout.splitlines() if line.startswith("ORDER "))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("mode", ["plain", "seedable"])
+def test_a_prepared_loader_gives_accelerates_batches_index_for_index(mode, nproc):
+    """Shuffled, three epochs, 11 samples in batches of 3 (the last round padded on 2 processes):
+    every process's batches, and torch's RNG after them, are Accelerate's for the same seed."""
+    theirs, ours = _orders("accelerate", mode, nproc), _orders("mixprec", mode, nproc)
+    assert len(ours) == nproc and ours == theirs

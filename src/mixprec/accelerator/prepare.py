@@ -232,21 +232,28 @@ class Preparer:
             checkpoint: save and restore its position in :meth:`save_state` (off for loaders
                 made afresh for each evaluation).
         """
-        # One seed for the shuffle order, the same on every process so the shards fit together;
-        # drawn from torch's RNG (so torch.manual_seed decides it) only where a shuffle needs it.
+        # The shuffle order as Accelerate's prepared loader gives it for the same seed: with
+        # use_seedable_sampler (or a data_seed), seed + epoch; in one process, torch's RandomSampler
+        # drawing from the global RNG at each epoch; in several, one generator seeded by a draw at
+        # prepare time, rank 0's, that runs on from epoch to epoch.
         needs_seed = isinstance(dataloader.sampler, torch.utils.data.RandomSampler) and (
             dataloader.sampler.generator is None and dataloader.generator is None)
         config = self.dataloader_config
-        if config.data_seed is not None:
-            seed = int(config.data_seed)
+        if config.use_seedable_sampler or config.data_seed is not None:
+            shuffle = "seedable"
+            seed = int(config.data_seed) if config.data_seed is not None else torch.initial_seed()
+        elif self.state.num_processes == 1:
+            shuffle, seed = "per_epoch", 0
         else:
-            seed = D.broadcast_object(int(torch.randint(0, 2**62, (1,)).item())) if needs_seed else 0
+            shuffle = "continue"
+            seed = D.broadcast_object(int(torch.empty((), dtype=torch.int64).random_().item())) if needs_seed else 0
         device = self.state.device if self.device_placement else None
         prepared = PreparedDataLoader(dataloader, device=device, world_size=self.state.num_processes,
                                       rank=self.state.process_index, seed=seed, float_dtype=self.current_precision().input_dtype,
                                       on_iter=self.gradient_state._add_dataloader,
                                       on_end=self.gradient_state._remove_dataloader,
-                                      non_blocking=config.non_blocking, resume_position=config.use_stateful_dataloader)
+                                      non_blocking=config.non_blocking, resume_position=config.use_stateful_dataloader,
+                                      shuffle=shuffle)
         if checkpoint:
             self.prepared.dataloaders.append(prepared)
         return self._mark_prepared(prepared)

@@ -1,0 +1,24 @@
+"""Print the batches a prepared shuffled DataLoader gives each process for three epochs, under
+Accelerate or mixprec (for test_accelerate_dropin.py):
+
+    python -m torch.distributed.run --nproc_per_node 2 batch_order.py accelerate|mixprec plain|seedable|uneven
+"""
+
+import json
+import sys
+
+import torch
+from torch.utils.data import DataLoader
+
+lib, mode = sys.argv[1], sys.argv[2]
+if lib == "mixprec":
+    import mixprec as mod
+else:
+    import accelerate as mod
+
+torch.manual_seed(42)
+config = {"plain": {}, "seedable": {"use_seedable_sampler": True}, "uneven": {"even_batches": False}}[mode]
+acc = mod.Accelerator(cpu=True, dataloader_config=mod.DataLoaderConfiguration(**config))
+dl = acc.prepare(DataLoader(list(range(11)), batch_size=3, shuffle=True))
+orders = [[b.tolist() for b in dl] for _ in range(3)]
+print("ORDER", acc.process_index, json.dumps({"orders": orders, "rng_after": torch.rand(1).item()}), flush=True)
