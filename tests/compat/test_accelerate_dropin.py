@@ -235,7 +235,9 @@ def _orders(lib: str, mode: str, nproc: int) -> list[dict]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return sorted(line for line in proc.stdout.splitlines() if line.startswith("ORDER "))
+    found = sorted(line[line.index("ORDER "):] for line in proc.stdout.splitlines() if "ORDER " in line)
+    assert len(found) == nproc, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return found
 
 
 @pytest.mark.slow
@@ -245,4 +247,4 @@ def test_a_prepared_loader_gives_accelerates_batches_index_for_index(mode, nproc
     """Shuffled, three epochs, 11 samples in batches of 3 (the last round padded on 2 processes):
     every process's batches, and torch's RNG after them, are Accelerate's for the same seed."""
     theirs, ours = _orders("accelerate", mode, nproc), _orders("mixprec", mode, nproc)
-    assert len(ours) == nproc and ours == theirs
+    assert len(ours) == nproc and ours == theirs, (theirs, ours)

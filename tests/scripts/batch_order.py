@@ -5,6 +5,7 @@ Accelerate or mixprec (for test_accelerate_dropin.py):
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -21,4 +22,5 @@ config = {"plain": {}, "seedable": {"use_seedable_sampler": True}, "uneven": {"e
 acc = mod.Accelerator(cpu=True, dataloader_config=mod.DataLoaderConfiguration(**config))
 dl = acc.prepare(DataLoader(list(range(11)), batch_size=3, shuffle=True))
 orders = [[b.tolist() for b in dl] for _ in range(3)]
-print("ORDER", acc.process_index, json.dumps({"orders": orders, "rng_after": torch.rand(1).item()}), flush=True)
+line = f"ORDER {acc.process_index} " + json.dumps({"orders": orders, "rng_after": torch.rand(1).item()}) + "\n"
+os.write(1, line.encode())  # one write: the processes share the launcher's stdout
