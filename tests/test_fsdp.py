@@ -143,8 +143,10 @@ def test_bf16_true_trains_sharded_with_stochastic_rounding(tmp_path):
 def test_plugin_fields_without_an_fsdp2_meaning_say_what_to_do():
     with pytest.raises(ValueError, match="fsdp_version=2"):
         FullyShardedDataParallelPlugin(fsdp_version=1)
-    with pytest.raises(ValueError, match="sharding_strategy.*reshard_after_forward"):
-        FullyShardedDataParallelPlugin.from_config({"fsdp_sharding_strategy": "FULL_SHARD"})
+    assert FullyShardedDataParallelPlugin.from_config({"fsdp_sharding_strategy": "SHARD_GRAD_OP"}) \
+        .reshard_after_forward is False  # FSDP1's ZeRO-2 is FSDP2's reshard_after_forward=False
+    with pytest.raises(ValueError, match="sharding_strategy.*NO_SHARD is DDP"):
+        FullyShardedDataParallelPlugin.from_config({"fsdp_sharding_strategy": "NO_SHARD"})
     p = FullyShardedDataParallelPlugin.from_config({"transformer_layer_cls_to_wrap": ["Block"],
                                                     "fsdp_reshard_after_forward": False})
     assert p.transformer_cls_names_to_wrap == ["Block"] and p.reshard_after_forward is False

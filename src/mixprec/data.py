@@ -145,8 +145,9 @@ class PreparedDataLoader:
         self._shuffle = shuffle
         self._restored = False  # a mid-epoch state was loaded: the next epoch draws nothing
         self.generator = user_gen if user_gen is not None else torch.Generator().manual_seed(seed)
-        # The workers' base seed comes from a generator apart, so drawing it leaves the order's alone.
-        self._worker_generator = torch.Generator().manual_seed(seed)
+        # With our generator, the workers' base seed comes from one apart, so drawing it leaves the
+        # order's alone; a user's generator gives both, in torch's order (base seed, then shuffle).
+        self._worker_generator = torch.Generator().manual_seed(seed) if self._own_generator else self.generator
         self.epoch = 0
         self.batches_yielded = 0
         self.end_of_dataloader = False
