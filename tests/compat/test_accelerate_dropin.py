@@ -248,3 +248,25 @@ def test_a_prepared_loader_gives_accelerates_batches_index_for_index(mode, nproc
     every process's batches, and torch's RNG after them, are Accelerate's for the same seed."""
     theirs, ours = _orders("accelerate", mode, nproc), _orders("mixprec", mode, nproc)
     assert len(ours) == nproc and ours == theirs, (theirs, ours)
+
+
+# -- Accelerate's own example scripts --------------------------------------------------------------------
+EXAMPLES = Path(os.environ.get("MIXPREC_PEER_SUITES", Path(__file__).resolve().parents[3] / "shared" / "peer-suites"))
+EXAMPLES = EXAMPLES / "suites" / "accelerate_examples" / "run.py"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not EXAMPLES.is_file(), reason="Accelerate's example scripts (../shared/peer-suites) are not here")
+@pytest.mark.parametrize("example", ["nlp_example.py bf16", "tracking.py --with_tracking", "cross_validation.py", "schedule_free.py",
+                                     "ddp_comm_hook.py"])
+def test_accelerates_example_scripts_run_with_the_import_changed(example, tmp_path):
+    """A few of Accelerate's examples (all 21: `tests/peer/run_peer.py` / the shared runner), run as
+    written, offline, with `from accelerate import` swapped to mixprec: each passes, and prints the
+    anchor's metrics (the runner compares them with those recorded under Accelerate 1.16)."""
+    for module in ("evaluate", "tokenizers", "sklearn"):
+        pytest.importorskip(module)
+    proc = subprocess.run([sys.executable, str(EXAMPLES), sys.executable, "mixprec", "--only", example,
+                           "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(SRC)})
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("mixprec ")]
+    assert summary and all(line.startswith("mixprec PASS") for line in summary), proc.stdout[-3000:]
