@@ -308,39 +308,39 @@ def test_a_damaged_trainer_state_fails_the_resume(three_checkpoints):
 
 
 # -- the Accelerator's leftovers --------------------------------------------------------------------
-def test_the_accelerator_clears_its_interrupted_saves_in_its_locked_project_folder(tmp_path):
+def test_the_accelerator_clears_its_interrupted_saves_in_its_locked_checkpoints_folder(tmp_path):
     project = ProjectConfiguration(project_dir=str(tmp_path / "proj"), automatic_checkpoint_naming=True)
     acc, model, opt = prepared(dim=8, project=project)
     ckpts = tmp_path / "proj" / "checkpoints"
     ckpts.mkdir(parents=True)
-    leftovers = [ckpts / ".checkpoint_0.tmp-0123abcd", tmp_path / "proj" / ".mine.tmp-89abcdef"]
+    leftovers = [ckpts / ".checkpoint_0.tmp-0123abcd", ckpts / ".checkpoint_3.old-89abcdef"]  # a SIGKILL mid-save
     for d in leftovers:
         d.mkdir()
         (d / "random_states_0.bin").write_bytes(b"half")
     acc.save_state()
-    acc.save_state(tmp_path / "proj" / "mine")
     assert not any(d.exists() for d in leftovers)
-    assert sorted(p.name for p in ckpts.iterdir()) == ["checkpoint_0"]
-    assert (tmp_path / "proj" / ".mixprec.lock").is_file()  # held for the life of the run
+    assert sorted(p.name for p in ckpts.iterdir()) == ["checkpoint_0"]  # the lock is held during the save only
+    assert sorted(p.name for p in (tmp_path / "proj").iterdir()) == ["checkpoints"]
 
 
-def test_a_project_folder_locked_by_another_live_run_is_refused_for_numbering_and_its_leftovers_kept(tmp_path):
-    proj = tmp_path / "proj"
+def test_a_checkpoints_folder_locked_by_another_live_run_is_refused_and_its_saves_kept(tmp_path):
+    ckpts = tmp_path / "proj" / "checkpoints"
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from mixprec.checkpoint import RunLock\n"
-         "with RunLock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)", str(proj)],
+         "with RunLock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)", str(ckpts)],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
     try:
         assert holder.stdout.readline().strip() == "held"
-        live = proj / "checkpoints" / ".checkpoint_0.tmp-0123abcd"  # the other run's save in progress
+        live = ckpts / ".checkpoint_0.tmp-0123abcd"  # the other run's save in progress
         live.mkdir(parents=True)
-        acc, model, opt = prepared(dim=8, project=ProjectConfiguration(project_dir=str(proj),
+        acc, model, opt = prepared(dim=8, project=ProjectConfiguration(project_dir=str(tmp_path / "proj"),
                                                                        automatic_checkpoint_naming=True))
-        with pytest.raises(RuntimeError, match=rf"project_dir {proj} is in use by a live run \(pid {holder.pid}"):
+        with pytest.raises(RuntimeError, match=rf"the checkpoints folder {ckpts} is in use by a live run "
+                                               rf"\(pid {holder.pid}"):
             acc.save_state()
         assert live.is_dir()
-        acc.save_state(proj / "explicit")  # a named folder is saved; the other run's staging is left alone
-        assert live.is_dir() and (proj / "explicit" / MANIFEST).is_file()
+        acc.save_state(tmp_path / "proj" / "explicit")  # a named folder is saved; the other run's staging kept
+        assert live.is_dir() and (tmp_path / "proj" / "explicit" / MANIFEST).is_file()
     finally:
         holder.kill()
         holder.wait(timeout=30)

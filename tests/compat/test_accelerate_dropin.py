@@ -270,3 +270,26 @@ def test_accelerates_example_scripts_run_with_the_import_changed(example, tmp_pa
                           env={**os.environ, "PYTHONPATH": str(SRC)})
     summary = [line for line in proc.stdout.splitlines() if line.startswith("mixprec ")]
     assert summary and all(line.startswith("mixprec PASS") for line in summary), proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_trackers_run_on_the_main_process_only_under_two_processes(tmp_path):
+    from toys import SCRIPTS, torchrun
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    proc = subprocess.run(torchrun(SCRIPTS / "trackers_two.py", str(tmp_path)), capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = sorted((json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("SEEN ")),
+                  key=lambda s: s["rank"])
+    assert [s["trackers"] for s in seen] == [["tensorboard"], []]
+    runs = [p.parent for p in (tmp_path / "two").rglob("events.out.tfevents.*")]
+    losses = []
+    for run in runs:
+        events = EventAccumulator(str(run))
+        events.Reload()
+        if "loss" in events.Tags()["scalars"]:
+            losses += [(e.step, e.value) for e in events.Scalars("loss")]
+    assert losses == [(1, 1.0)]  # rank 0's value, once

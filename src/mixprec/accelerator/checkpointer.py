@@ -94,8 +94,6 @@ class Checkpointer:
         self.hooks = StateHooks()
         self._pending: PendingSave | None = None
         self._async_group: Any = None
-        self._project_lock: RunLock | None = None  # the main process's hold on project_dir, once it saves
-        self._project_lock_tried = False
 
     # -- models out ---------------------------------------------------------------------
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
@@ -178,9 +176,7 @@ class Checkpointer:
         self.wait()  # one checkpoint in flight at a time
         final = self.save_dir(output_dir)
         automatic = output_dir is None and self.project.automatic_checkpoint_naming
-        self._lock_project(automatic)
-        if self.processes.is_main_process:
-            self._clear_leftovers(final)
+        lock = self._lock_checkpoints_dir() if automatic else None
         group = None
         if async_save and self.processes.num_processes > 1:
             if self._async_group is None:  # background writes coordinate on their own gloo group
@@ -188,51 +184,41 @@ class Checkpointer:
             group = self._async_group
         after = (lambda: rotate_checkpoints(self.project.checkpoints_dir, "checkpoint_",
                                             self.project.total_limit)) if automatic else None
+        release = (lambda: lock.__exit__(None, None, None)) if lock is not None else None
         self._pending = self._write(final, meta, precision_state, extra_files or {}, sharded=self.sharded or async_save,
-                                    asynchronous=async_save, process_group=group, finish=finish, after_commit=after)
+                                    asynchronous=async_save, process_group=group, finish=finish, after_commit=after,
+                                    release=release)
         if automatic:
             self.project.iteration += 1
         return final
 
-    def _lock_project(self, automatic: bool) -> None:
-        """At the first save, the main process takes ``project_dir``'s run lock (the Trainer's lock on
-        ``output_dir``) and keeps it for the life of the process: while it holds it, no other live
-        process saves into the folder, so staging folders found there are leftovers of this run's
-        interrupted saves. Held by another live run: automatic naming would number into its
-        checkpoints (refused, on every process); an explicit folder is saved, leftovers kept."""
-        if self.project.project_dir is None or self._project_lock_tried:
-            return
-        self._project_lock_tried = True
-        error = None
+    def _lock_checkpoints_dir(self) -> RunLock | None:
+        """For an automatically named save, the main process takes the run lock of
+        ``<project_dir>/checkpoints`` (the Trainer's lock on ``output_dir``) until the save is
+        committed: while it holds it no other live process saves there, so the staging folders
+        found there are leftovers of interrupted saves (a SIGKILL mid-save) and are removed. Held
+        by another live run: refused on every process (its numbers would mix with this run's)."""
+        lock, error = None, None
         if self.processes.is_main_process:
-            lock = RunLock(self.project.project_dir)
+            folder = self.project.checkpoints_dir
             try:
-                self._project_lock = lock.__enter__()
+                lock = RunLock(folder).__enter__()
             except RuntimeError as e:
-                error = str(e).replace("output_dir", "project_dir")
+                error = str(e).replace("output_dir", "the checkpoints folder")
+            else:
+                for stale in folder.iterdir():
+                    if stale.is_dir() and _LEFTOVER.fullmatch(stale.name):
+                        log.info("mixprec: removing %s, left by an interrupted save", stale)
+                        shutil.rmtree(stale, ignore_errors=True)
         error = D.broadcast_object(error)
         if error is not None:
-            if automatic:
-                raise RuntimeError(error)
-            log.warning("mixprec: %s; its leftover staging folders are left alone", error)
-
-    def _clear_leftovers(self, final: Path) -> None:
-        """Remove the staging folders of saves interrupted beside ``final`` (a SIGKILL mid-save), when
-        ``final`` is in the project folder this process holds the lock of."""
-        if self._project_lock is None:
-            return
-        try:
-            final.resolve().relative_to(Path(self.project.project_dir).resolve())
-        except ValueError:
-            return
-        for stale in final.parent.iterdir() if final.parent.is_dir() else ():
-            if stale.is_dir() and _LEFTOVER.fullmatch(stale.name):
-                log.info("mixprec: removing %s, left by an interrupted save", stale)
-                shutil.rmtree(stale, ignore_errors=True)
+            raise RuntimeError(error)
+        return lock
 
     def _write(self, final: Path, meta: dict[str, Any], precision_state: dict[str, Any],
                extra_files: dict[str, str | bytes], *, sharded: bool, asynchronous: bool, process_group: Any,
-               finish: Finish | None, after_commit: Callable[[], None] | None) -> PendingSave:
+               finish: Finish | None, after_commit: Callable[[], None] | None,
+               release: Callable[[], None] | None = None) -> PendingSave:
         info = self.processes.info
         main = info.rank == 0
         prepared = self.prepared
@@ -257,9 +243,18 @@ class Checkpointer:
         except BaseException:  # an interrupt: no verdict to reach, nothing left behind
             if main:
                 shutil.rmtree(tmp, ignore_errors=True)
+            if release is not None:
+                release()
             raise
 
         def commit(error: BaseException | None) -> None:
+            try:
+                verdict(error)
+            finally:
+                if release is not None:
+                    release()
+
+        def verdict(error: BaseException | None) -> None:
             # The one verdict: every process's rows (or its error) gathered on every process.
             rows: dict[str, Any] = {}
             mine = None
