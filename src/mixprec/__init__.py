@@ -11,6 +11,10 @@ from mixprec.accelerator import (
     DistributedType,
     GradientAccumulationPlugin,
     ProjectConfiguration,
+    find_executable_batch_size,
+    gather_object,
+    get_logger,
+    set_seed,
 )
 from mixprec.checkpoint import CheckpointError, CheckpointNotFoundError
 from mixprec.distributed import FullyShardedDataParallelPlugin
@@ -37,6 +41,10 @@ from mixprec.trainer import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "set_seed",
+    "get_logger",
+    "gather_object",
+    "find_executable_batch_size",
     "Accelerator",
     "CheckpointError",
     "CheckpointNotFoundError",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -293,3 +294,32 @@ def test_trackers_run_on_the_main_process_only_under_two_processes(tmp_path):
         if "loss" in events.Tags()["scalars"]:
             losses += [(e.step, e.value) for e in events.Scalars("loss")]
     assert losses == [(1, 1.0)]  # rank 0's value, once
+
+
+# -- Accelerate's utilities, without Accelerate --------------------------------------------------------
+def test_the_utilities_scripts_import_beside_the_accelerator_behave_as_accelerates(caplog):
+    from accelerate.utils import find_executable_batch_size as theirs_find
+    from accelerate.utils import set_seed as theirs_seed
+
+    from mixprec.accelerator.utils import find_executable_batch_size, gather_object, get_logger, set_seed
+
+    set_seed(7)
+    ours = (torch.rand(3), __import__("numpy").random.rand(), __import__("random").random())
+    theirs_seed(7)
+    assert torch.equal(ours[0], torch.rand(3)) and ours[1] == __import__("numpy").random.rand()
+    assert ours[2] == __import__("random").random()
+    tried = {"ours": [], "theirs": []}
+    for who, decorate in (("ours", find_executable_batch_size), ("theirs", theirs_find)):
+        @decorate(starting_batch_size=64)
+        def train(batch_size, seen):
+            seen.append(batch_size)
+            if batch_size > 40:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")
+            return batch_size
+        assert train(tried[who]) == 40
+    assert tried["ours"] == tried["theirs"] == [64, 57, 51, 45, 40]
+    assert gather_object(["a", "b"]) == ["a", "b"]
+    with caplog.at_level(logging.INFO, logger="mixprec.test"):
+        get_logger("mixprec.test").info("from the main process")
+        get_logger("mixprec.test").info("from every process", main_process_only=False)
+    assert [r.getMessage() for r in caplog.records] == ["from the main process", "from every process"]

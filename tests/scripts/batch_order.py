@@ -24,3 +24,6 @@ dl = acc.prepare(DataLoader(list(range(11)), batch_size=3, shuffle=True))
 orders = [[b.tolist() for b in dl] for _ in range(3)]
 line = f"ORDER {acc.process_index} " + json.dumps({"orders": orders, "rng_after": torch.rand(1).item()}) + "\n"
 os.write(1, line.encode())  # one write: the processes share the launcher's stdout
+acc.wait_for_everyone()  # both done before either tears its process group down
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()

@@ -9,6 +9,14 @@ from mixprec.accelerator.configs import (
            ProjectConfiguration,
 )
 from mixprec.accelerator.state import AcceleratorState, DistributedType, GradientState
+from mixprec.accelerator.utils import (
+    broadcast_object_list,
+    find_executable_batch_size,
+    gather_object,
+    get_logger,
+    set_seed,
+)
 
 __all__ = ["Accelerator", "AcceleratorState", "DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin",
-           "GradientState", "ProjectConfiguration"]
+           "GradientState", "ProjectConfiguration", "broadcast_object_list", "find_executable_batch_size",
+           "gather_object", "get_logger", "set_seed"]

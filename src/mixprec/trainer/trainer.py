@@ -10,19 +10,18 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import random
 import time
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import safetensors.torch
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from mixprec.accelerator.accelerator import Accelerator
 from mixprec.accelerator.configs import DataLoaderConfiguration
+from mixprec.accelerator.utils import set_seed
 from mixprec.checkpoint.folder import CheckpointError, checkpoint_problem
 from mixprec.checkpoint.lock import RunLock
 from mixprec.diagnostics import precision_drift
@@ -72,13 +71,6 @@ class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
     metrics: dict[str, float]
-
-
-def set_seed(seed: int) -> None:
-    """Seed Python, NumPy and torch (all devices)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class Trainer:
