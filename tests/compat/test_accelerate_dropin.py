@@ -258,8 +258,7 @@ EXAMPLES = EXAMPLES / "suites" / "accelerate_examples" / "run.py"
 
 @pytest.mark.slow
 @pytest.mark.skipif(not EXAMPLES.is_file(), reason="Accelerate's example scripts (../shared/peer-suites) are not here")
-@pytest.mark.parametrize("example", ["nlp_example.py bf16", "tracking.py --with_tracking", "cross_validation.py", "schedule_free.py",
-                                     "ddp_comm_hook.py"])
+@pytest.mark.parametrize("example", ["nlp_example.py bf16", "tracking.py --with_tracking", "cross_validation.py"])
 def test_accelerates_example_scripts_run_with_the_import_changed(example, tmp_path):
     """A few of Accelerate's examples (all 21: `tests/peer/run_peer.py` / the shared runner), run as
     written, offline, with `from accelerate import` swapped to mixprec: each passes, and prints the
