@@ -243,7 +243,7 @@ class Accelerator:
         _share_with_accelerate(cpu=device.type == "cpu")
         policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", device)
         #: What the run's precision does (read at call time by the prepared models and optimizers).
-        if scaler_kwargs and policy.name == "fp16-mixed" and precision_config.loss_scaler is None:
+        if scaler_kwargs and policy.needs_loss_scaler and precision_config.loss_scaler is None:
             # GradScalerKwargs set the fp16 scaler (where there is none, Accelerate ignores it too).
             precision_config = self.precision_config = dataclasses.replace(precision_config, loss_scaler=scaler_kwargs)
         self.precision: PrecisionPlugin = make_plugin(policy, device, precision_config)
@@ -884,7 +884,7 @@ class Accelerator:
     @property
     def native_amp(self) -> bool:
         """Whether torch's autocast is in force (fp16 or bf16 mixed precision)."""
-        return self.policy.name in ("fp16-mixed", "bf16-mixed")
+        return self.policy.autocast_enabled
 
     @property
     def should_save_model(self) -> bool:
