@@ -10,6 +10,7 @@ Building one whose package is not installed raises an ``ImportError`` naming the
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -198,55 +199,6 @@ class WandBTracker(_LibraryTracker):
         import wandb
 
         self.log({table_name: wandb.Table(columns=columns, data=data, dataframe=dataframe)}, step=step, **kwargs)
-
-    @on_main_process
-    def finish(self) -> None:
-        """``run.finish()``."""
-        self.run.finish()
-
-
-class TrackioTracker(_LibraryTracker):
-    """trackio: ``trackio.init(project=run_name, **kwargs)``; ``log`` is ``run.log(values, step=step)``.
-
-    Args:
-        run_name: the project name given to ``init_trackers``.
-        **kwargs: passed to ``trackio.init``.
-    """
-
-    name = "trackio"
-    requires_logging_directory = False
-    main_process_only = False
-    module, pip_name = "trackio", "trackio"
-
-    def __init__(self, run_name: str, **kwargs: Any):
-        super().__init__()
-        self.run_name = run_name
-        self.init_kwargs = kwargs
-        self.run: Any = None
-
-    @on_main_process
-    def start(self) -> None:
-        """``trackio.init(project=run_name, **kwargs)``."""
-        import trackio
-
-        self.run = trackio.init(project=self.run_name, **self.init_kwargs)
-
-    @property
-    def tracker(self) -> Any:
-        """The ``trackio`` run."""
-        return self.run
-
-    @on_main_process
-    def store_init_configuration(self, values: dict[str, Any]) -> None:
-        """``trackio.config.update(values, allow_val_change=True)``."""
-        import trackio
-
-        trackio.config.update(values, allow_val_change=True)
-
-    @on_main_process
-    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        """``run.log(values, step=step, **kwargs)``."""
-        self.run.log(values, step=step, **kwargs)
 
     @on_main_process
     def finish(self) -> None:
@@ -635,18 +587,17 @@ class DVCLiveTracker(_LibraryTracker):
         self.live.end()
 
 
-class SwanLabTracker(_LibraryTracker):
-    """SwanLab: ``swanlab.init(project=run_name, **kwargs)``; ``log`` is ``run.log(values, step=step)``.
+class _ProjectRunTracker(_LibraryTracker):
+    """A library whose module offers ``init(project=...)`` returning a run with ``log`` and
+    ``finish``, and ``config.update`` (SwanLab's and trackio's, both shaped after wandb's).
 
     Args:
         run_name: the project name given to ``init_trackers``.
-        **kwargs: passed to ``swanlab.init``.
+        **kwargs: passed to ``<module>.init``.
     """
 
-    name = "swanlab"
     requires_logging_directory = False
     main_process_only = False
-    module, pip_name = "swanlab", "swanlab"
 
     def __init__(self, run_name: str, **kwargs: Any):
         super().__init__()
@@ -656,22 +607,18 @@ class SwanLabTracker(_LibraryTracker):
 
     @on_main_process
     def start(self) -> None:
-        """``swanlab.init(project=run_name, **kwargs)``."""
-        import swanlab
-
-        self.run = swanlab.init(project=self.run_name, **self.init_kwargs)
+        """``<module>.init(project=run_name, **kwargs)``."""
+        self.run = importlib.import_module(self.module).init(project=self.run_name, **self.init_kwargs)
 
     @property
     def tracker(self) -> Any:
-        """The SwanLab run."""
+        """The library's run."""
         return self.run
 
     @on_main_process
     def store_init_configuration(self, values: dict[str, Any]) -> None:
-        """``swanlab.config.update(values, allow_val_change=True)``."""
-        import swanlab
-
-        swanlab.config.update(values, allow_val_change=True)
+        """``<module>.config.update(values, allow_val_change=True)``."""
+        importlib.import_module(self.module).config.update(values, allow_val_change=True)
 
     @on_main_process
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
@@ -682,6 +629,20 @@ class SwanLabTracker(_LibraryTracker):
     def finish(self) -> None:
         """``run.finish()``."""
         self.run.finish()
+
+
+class SwanLabTracker(_ProjectRunTracker):
+    """SwanLab: ``swanlab.init(project=run_name, **kwargs)``; ``log`` is ``run.log(values, step=step)``."""
+
+    name = "swanlab"
+    module, pip_name = "swanlab", "swanlab"
+
+
+class TrackioTracker(_ProjectRunTracker):
+    """trackio: ``trackio.init(project=run_name, **kwargs)``; ``log`` is ``run.log(values, step=step)``."""
+
+    name = "trackio"
+    module, pip_name = "trackio", "trackio"
 
 
 #: name -> class of the built-in trackers, in the order ``log_with="all"`` starts them (Accelerate's).
