@@ -5,7 +5,6 @@ interrupted saves."""
 
 from __future__ import annotations
 
-import builtins
 import io
 import json
 import logging
@@ -26,7 +25,7 @@ from mixprec.checkpoint import CheckpointError
 from mixprec.checkpoint.folder import MANIFEST, read_manifest, verify_checkpoint
 from mixprec.checkpoint.integrity import HashingFile, WrittenFiles, sha256_file, write_safetensors
 
-from toys import SCRIPTS, Classifier, blobs, free_port, torchrun
+from toys import SCRIPTS, Classifier, Opens, blobs, free_port, torchrun
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
 
@@ -40,27 +39,6 @@ def prepared(dim: int = 256, project: ProjectConfiguration | None = None):
     opt.step()
     opt.zero_grad()
     return acc, model, opt
-
-
-class Opens:
-    """The files under ``root`` this process opens for reading (builtins.open and io.open, pathlib's too)."""
-
-    def __init__(self, root: Path):
-        self.root, self.seen, self._real = str(root), [], builtins.open
-
-    def __enter__(self):
-        real = self._real
-
-        def spy(file, mode="r", *args, **kwargs):
-            if isinstance(file, (str, os.PathLike)) and "r" in mode and str(file).startswith(self.root):
-                self.seen.append(os.path.relpath(str(file), self.root))
-            return real(file, mode, *args, **kwargs)
-
-        builtins.open = io.open = spy
-        return self
-
-    def __exit__(self, *exc):
-        builtins.open = io.open = self._real
 
 
 def flip_a_byte(path: Path) -> None:

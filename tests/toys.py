@@ -6,6 +6,9 @@ Fixtures live in ``conftest.py``; the classes and helpers here are imported by n
 
 from __future__ import annotations
 
+import builtins
+import io
+import os
 import socket
 import sys
 from dataclasses import dataclass
@@ -139,3 +142,24 @@ def blobs(n: int, dim: int = 16, classes: int = 4, seed: int = 0, spread: float 
 def accuracy_metrics(eval_pred):
     predictions, labels = eval_pred
     return {"accuracy": float((predictions.argmax(-1) == labels).mean())}
+
+
+class Opens:
+    """The files under ``root`` this process opens for reading (builtins.open and io.open, pathlib's too)."""
+
+    def __init__(self, root: Path):
+        self.root, self.seen, self._real = str(root), [], builtins.open
+
+    def __enter__(self):
+        real = self._real
+
+        def spy(file, mode="r", *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and "r" in mode and str(file).startswith(self.root):
+                self.seen.append(os.path.relpath(str(file), self.root))
+            return real(file, mode, *args, **kwargs)
+
+        builtins.open = io.open = spy
+        return self
+
+    def __exit__(self, *exc):
+        builtins.open = io.open = self._real

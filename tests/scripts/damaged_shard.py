@@ -11,8 +11,6 @@ saving and while loading, and the error each load raised.
 """
 
 import argparse
-import builtins
-import io
 import json
 import os
 import sys
@@ -25,27 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mixprec import Accelerator, FullyShardedDataParallelPlugin  # noqa: E402
 from mixprec.checkpoint import CheckpointError  # noqa: E402
 
-
-class Opens:
-    """Records the files under ``root`` opened for reading (builtins.open and io.open: pathlib's too)."""
-
-    def __init__(self, root: Path):
-        self.root, self.seen = str(root), []
-        self._real = builtins.open
-
-    def __enter__(self):
-        real = self._real
-
-        def spy(file, mode="r", *args, **kwargs):
-            if isinstance(file, (str, os.PathLike)) and "r" in mode and str(file).startswith(self.root):
-                self.seen.append(os.path.relpath(str(file), self.root))
-            return real(file, mode, *args, **kwargs)
-
-        builtins.open = io.open = spy
-        return self
-
-    def __exit__(self, *exc):
-        builtins.open = io.open = self._real
+from toys import Opens  # noqa: E402
 
 
 def run(out: Path, layout: str) -> None:
