@@ -35,6 +35,7 @@ from mixprec.checkpoint.folder import (
     commit_checkpoint,
     load_tensor_file,
     numbered_checkpoints,
+    raise_first_problem,
     rng_state,
     rotate_checkpoints,
     set_rng_state,
@@ -43,7 +44,7 @@ from mixprec.checkpoint.folder import (
 from mixprec.checkpoint.integrity import WrittenFiles, write_safetensors
 from mixprec.checkpoint.lock import RunLock
 from mixprec.checkpoint.sharded import load_sharded, save_sharded
-from mixprec.checkpoint.weights import save_model_weights
+from mixprec.checkpoint.weights import save_model_weights, untied
 from mixprec.checkpoint.writing import PendingSave, explain_write_error, is_write_failure
 from mixprec.distributed import groups as D
 from mixprec.distributed.fsdp import full_state_dict, is_sharded
@@ -310,7 +311,7 @@ class Checkpointer:
             models = [m for m, w in zip(prepared.models, given) if any(w is x for x in weights)]
         for i, m in enumerate(models):
             with written.open(tmp / f"model_{i}.safetensors") as fh:
-                write_safetensors(_untied(unwrap(m).state_dict()), fh, metadata={"format": "pt"})
+                write_safetensors(untied(unwrap(m).state_dict()), fh, metadata={"format": "pt"})
             names.setdefault("model", []).append(f"model_{i}.safetensors")
         for name, objs in prepared.stateful().items():
             if sharded and name == "optimizer":
@@ -355,11 +356,7 @@ class Checkpointer:
             problem = str(e)
         except Exception as e:  # noqa: BLE001 - every process must reach the verdict
             problem = f"could not read {path} ({type(e).__name__}: {e}); load it into a run prepared like the one that saved it"
-        verdicts = D.all_gather_object(problem)
-        failed = [(rank, p) for rank, p in enumerate(verdicts) if p is not None]
-        if failed:
-            rank, first = failed[0]
-            raise CheckpointError(f"process {rank} of {len(verdicts)}: {first}" if len(verdicts) > 1 else first)
+        raise_first_problem(D.all_gather_object(problem))
         assert reader is not None
         models = list(prepared.models)
         for hook in self.hooks.load.values():
@@ -411,20 +408,6 @@ class Checkpointer:
 
 #: A staging folder (``.<name>.tmp-<hex>``) or a replaced checkpoint awaiting removal (``.<name>.old-<hex>``).
 _LEFTOVER = re.compile(r"\..+\.(tmp|old)-[0-9a-f]{8}")
-
-
-def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with each tied weight once, under its first name (safetensors stores no aliases;
-    ``safetensors.torch.load_model`` ties them again from the model)."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    out = {}
-    for name, t in state.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if t.numel() and key in seen:
-            continue
-        seen.add(key)
-        out[name] = t
-    return out
 
 
 def checkpoint_bytes(prepared: PreparedObjects) -> int:

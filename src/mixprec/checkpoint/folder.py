@@ -27,8 +27,8 @@ import torch
 from mixprec.checkpoint.integrity import hash_in_background, sha256_file
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointReader", "checkpoint_problem", "commit_checkpoint",
-           "is_complete_checkpoint", "load_tensor_file", "numbered_checkpoints", "read_manifest", "rotate_checkpoints",
-           "staging_dir", "verify_checkpoint", "write_checkpoint"]
+           "is_complete_checkpoint", "load_tensor_file", "numbered_checkpoints", "raise_first_problem", "read_manifest",
+           "rotate_checkpoints", "staging_dir", "verify_checkpoint", "write_checkpoint"]
 
 log = logging.getLogger("mixprec")
 
@@ -257,6 +257,16 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     reader.check(reader.files)
     reader.verify()
     return reader.files
+
+
+def raise_first_problem(verdicts: list[str | None]) -> None:
+    """Given every process's verdict on the files it read (``None``: they verify), gathered on
+    every process, raise the first problem as a :class:`CheckpointError` naming its process: each
+    process raises the same error."""
+    failed = [(rank, problem) for rank, problem in enumerate(verdicts) if problem is not None]
+    if failed:
+        rank, first = failed[0]
+        raise CheckpointError(f"process {rank} of {len(verdicts)}: {first}" if len(verdicts) > 1 else first)
 
 
 class CheckpointReader:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mixprec.checkpoint.folder import CheckpointError, CheckpointReader
+from mixprec.checkpoint.folder import CheckpointError, CheckpointReader, raise_first_problem
 from mixprec.checkpoint.integrity import WrittenFiles
 
 __all__ = ["load_sharded", "save_sharded"]
@@ -137,11 +137,7 @@ def _verifying_reader(path: Path, reader: CheckpointReader, agree: Agree) -> Any
                 problem = str(e)
             except Exception as e:  # noqa: BLE001 - every rank must reach the verdict
                 problem = f"could not read {reader.path} ({type(e).__name__}: {e})"
-            verdicts = agree(problem)
-            failed = [(rank, p) for rank, p in enumerate(verdicts) if p is not None]
-            if failed:
-                rank, first = failed[0]
-                raise CheckpointError(f"process {rank} of {len(verdicts)}: {first}" if len(verdicts) > 1 else first)
+            raise_first_problem(agree(problem))
             return super().read_data(plan, planner)
 
     return VerifyingReader(str(path))

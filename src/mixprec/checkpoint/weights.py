@@ -12,7 +12,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-__all__ = ["parse_size", "save_model_weights"]
+__all__ = ["parse_size", "save_model_weights", "untied"]
 
 
 def parse_size(size: int | str) -> int:
@@ -26,6 +26,21 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each tied weight once, under its first name, as transformers stores them
+    (safetensors keeps no aliases; ``from_pretrained`` and ``safetensors.torch.load_model`` tie
+    them again from the model)."""
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
+
+
 def save_model_weights(model: torch.nn.Module, directory: Path, *, max_shard_size: int | str = "10GB",
                        safe_serialization: bool = True, state: dict[str, torch.Tensor] | None = None) -> None:
     """See :meth:`Accelerator.save_model`: one weights file, or shards with an index, each written
@@ -33,14 +48,9 @@ def save_model_weights(model: torch.nn.Module, directory: Path, *, max_shard_siz
     directory.mkdir(parents=True, exist_ok=True)
     limit = parse_size(max_shard_size)
     state = {k: v.detach().cpu().contiguous() for k, v in (state if state is not None else model.state_dict()).items()}
-    seen: dict[tuple[int, int], str] = {}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, t in state.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen and t.numel() > 0:
-            continue  # a tied weight: stored once, under its first name, as transformers does
-        seen[key] = name
+    for name, t in untied(state).items():
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > limit:
             shards.append({})
