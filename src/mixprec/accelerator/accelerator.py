@@ -169,8 +169,7 @@ class Accelerator:
         if fsdp_plugin is None and _env_flag("ACCELERATE_USE_FSDP"):
             fsdp_plugin = FullyShardedDataParallelPlugin()
         #: The ``kwargs_handlers`` given, by class name (mixprec's objects; Accelerate's are converted).
-        handlers = read_kwargs_handlers(kwargs_handlers)
-        self.kwargs_handlers = {name: h.to_kwargs() for name, h in handlers.items()}
+        self._handlers = handlers = read_kwargs_handlers(kwargs_handlers)
         ddp_kwargs = handlers["DistributedDataParallelKwargs"].to_kwargs() if "DistributedDataParallelKwargs" in \
             handlers else {}
         hook = ddp_kwargs.pop("comm_hook", DDPCommunicationHookType.NO)
@@ -851,25 +850,24 @@ class Accelerator:
     rng_types = ["generator"]
 
     @property
+    def kwargs_handlers(self) -> dict[str, dict[str, Any]]:
+        """What each ``kwargs_handlers`` object given sets (its non-default fields), by class name."""
+        return {name: handler.to_kwargs() for name, handler in self._handlers.items()}
+
+    @property
     def ddp_handler(self) -> Any:
         """The ``DistributedDataParallelKwargs`` given in ``kwargs_handlers`` (``None`` if none)."""
-        return self._handler("DistributedDataParallelKwargs")
+        return self._handlers.get("DistributedDataParallelKwargs")
 
     @property
     def scaler_handler(self) -> Any:
         """The ``GradScalerKwargs`` given in ``kwargs_handlers`` (``None`` if none)."""
-        return self._handler("GradScalerKwargs")
+        return self._handlers.get("GradScalerKwargs")
 
     @property
     def init_handler(self) -> Any:
         """The ``InitProcessGroupKwargs`` given in ``kwargs_handlers`` (``None`` if none)."""
-        return self._handler("InitProcessGroupKwargs")
-
-    def _handler(self, name: str) -> Any:
-        from mixprec.accelerator import handlers
-
-        values = self.kwargs_handlers.get(name)
-        return None if values is None else getattr(handlers, name)(**values)
+        return self._handlers.get("InitProcessGroupKwargs")
 
     @property
     def is_fsdp2(self) -> bool:
