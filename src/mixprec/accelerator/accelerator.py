@@ -962,15 +962,14 @@ class Accelerator:
         if not isinstance(model, DistributedDataParallel):
             yield
             return
-        old = model.require_backward_grad_sync
+        old = (model.require_backward_grad_sync, model.require_forward_param_sync)
         model.require_backward_grad_sync = True
         model.require_forward_param_sync = True
         model.reducer.prepare_for_backward([])  # the next backward syncs
         try:
             yield
         finally:
-            model.require_backward_grad_sync = old
-            model.require_forward_param_sync = old
+            model.require_backward_grad_sync, model.require_forward_param_sync = old
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
@@ -1019,9 +1018,11 @@ class Accelerator:
         return self.state.split_between_processes(inputs, apply_padding)
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
-        """Write ``obj`` once per machine (the local main process), with ``torch.save`` or, with
-        ``safe_serialization``, safetensors (a dict of tensors)."""
-        if not self.is_local_main_process:
+        """Write ``obj`` once (the main process; each machine's with ``ProjectConfiguration(
+        save_on_each_node=True)``), with ``torch.save`` or, with ``safe_serialization``,
+        safetensors (a dict of tensors), as Accelerate's ``save`` does."""
+        writer = self.is_local_main_process if self.project_configuration.save_on_each_node else self.is_main_process
+        if not writer:
             return
         if safe_serialization:
             import safetensors.torch
