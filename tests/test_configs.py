@@ -32,9 +32,17 @@ def test_project_configuration_says_what_is_missing():
     assert (cfg.project_dir, cfg.logging_dir) == ("runs/b", "runs/b")
 
 
-def test_dataloader_configuration_refuses_uneven_batches_with_the_fix():
-    with pytest.raises(ValueError, match="leave even_batches=True"):
-        DataLoaderConfiguration(even_batches=False)
+def test_uneven_batches_reach_the_prepared_loaders_and_join_uneven_inputs_overrides_them_for_its_block():
+    from torch.utils.data import DataLoader
+
+    from mixprec import Accelerator
+
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(even_batches=False))
+    dl = acc.prepare(DataLoader(list(range(5)), batch_size=2))
+    assert dl.even_batches is False and not acc.even_batches
+    with pytest.warns(UserWarning, match="one process"), acc.join_uneven_inputs([], even_batches=True):
+        assert dl.even_batches is True and acc.even_batches
+    assert dl.even_batches is False and not acc.even_batches
 
 
 def test_coerce_config_takes_none_a_dict_or_a_look_alike_and_names_unknown_fields():

@@ -3,8 +3,9 @@
 A prepared dataloader rebuilds the user's ``DataLoader`` around a batch sampler of ours, which
 
 * gives process ``p`` of ``W`` the global batches ``p, p + W, p + 2W, ...`` (Accelerate's
-  default), and makes the last round the same size on every process by repeating samples from
-  the start of the epoch: ``remainder`` says how many, so ``gather_for_metrics`` can drop them;
+  default), or the ``p``-th slice of every batch (``split_batches``), and, by Accelerate's rules,
+  makes the last round the same size on every process by repeating samples from the start of the
+  epoch (``even_batches``): ``remainder`` says how many, so ``gather_for_metrics`` can drop them;
 * can skip the first ``n`` batches of an epoch without loading them (a resume mid-epoch);
 * owns a ``torch.Generator`` for the shuffle order, drawn as Accelerate's prepared loaders draw
   theirs (so the same ``set_seed`` gives the same batches), and a checkpoint restores the
@@ -63,50 +64,126 @@ def collate(samples: Any) -> Any:
     return batch
 
 
-class _ShardedBatchSampler:
-    """Process ``rank``'s share of ``batch_sampler``'s batches, optionally skipping some first."""
+def _shard_whole_batches(batches: list[list[int]], world: int, rank: int, batch_size: int | None,
+                         drop_last: bool, even: bool) -> tuple[list[list[int]], int]:
+    """Process ``rank``'s batches when each process draws whole batches in turn, by Accelerate's
+    rules (``BatchSamplerShard`` without ``split_batches``), and how many padded samples the last
+    round holds over all processes.
 
-    def __init__(self, batch_sampler: Any, world_size: int, rank: int, drop_last: bool) -> None:
+    A round (one batch per process) is given out once its last batch is full. What is left: with
+    ``drop_last`` nothing; with ``even_batches=False`` each process its own leftover batch (some
+    processes get one batch fewer); else a leftover full batch is kept, the short last batch is
+    filled up with samples from the start of the epoch, and whole batches of those samples are
+    added until every process has the same number of batches.
+    """
+    full = (lambda b: True) if batch_size is None else (lambda b: len(b) == batch_size)
+    mine: list[list[int]] = []
+    pending: list[int] | None = None
+    for idx, b in enumerate(batches):
+        if idx % world == rank:
+            pending = b
+        if idx % world == world - 1 and full(b):
+            mine.append(pending)
+            pending = None
+    if drop_last or not batches:
+        return mine, 0
+    if not even:
+        if pending:
+            mine.append(pending)
+        return mine, 0
+    if pending and full(pending):
+        mine.append(pending)
+    # The samples the padding comes from: the first round's (repeated, for a tiny dataset).
+    if batch_size is None:
+        start: list = batches[:world]
+        while len(start) < world:
+            start = start + start
+    else:
+        start = [i for b in batches[:world] for i in b]
+        while len(start) < world * batch_size:
+            start = start + start
+    idx, batch = len(batches) - 1, list(batches[-1])
+    if full(batch):
+        idx, batch = idx + 1, []
+    taken = pad = 0
+    while idx % world != 0 or batch:
+        if batch_size is None:
+            batch, taken, pad = list(start[taken]), taken + 1, pad + len(start[taken])
+        else:
+            need = batch_size - len(batch)
+            batch, taken, pad = batch + start[taken:taken + need], taken + need, pad + need
+        if idx % world == rank:
+            mine.append(batch)
+        batch, idx = [], idx + 1
+    return mine, pad
+
+
+def _shard_split_batches(batches: list[list[int]], world: int, rank: int, batch_size: int, drop_last: bool,
+                         even: bool) -> tuple[list[list[int]], int]:
+    """Process ``rank``'s slice of every batch (``split_batches``, Accelerate's rules) and how
+    many padded samples the last batch holds: a full batch gives each process ``batch_size /
+    world`` samples; a short last batch is dropped (``drop_last``), sliced as it is (some
+    processes get less or nothing, ``even_batches=False``), or filled up from the first batch."""
+    per = batch_size // world
+    mine = [b[rank * per:(rank + 1) * per] for b in batches if len(b) == batch_size]
+    if drop_last or not batches or len(batches[-1]) == batch_size:
+        return mine, 0
+    last = list(batches[-1])
+    if not even:
+        if len(last) > rank * per:
+            mine.append(last[rank * per:(rank + 1) * per])
+        return mine, 0
+    first = list(batches[0])
+    while len(first) < batch_size:
+        first = first + first
+    pad = batch_size - len(last)
+    mine.append((last + first)[rank * per:(rank + 1) * per])
+    return mine, pad
+
+
+class _ShardedBatchSampler:
+    """Process ``rank``'s share of ``batch_sampler``'s batches (whole batches in turn, or a slice
+    of each with ``split``), optionally skipping some first."""
+
+    def __init__(self, batch_sampler: Any, world_size: int, rank: int, drop_last: bool, *, split: bool = False,
+                 even: bool = True) -> None:
         self.batch_sampler = batch_sampler
         self.world_size = world_size
         self.rank = rank
         self.drop_last = drop_last
+        self.split = split and world_size > 1
+        self.even = even
+        self.batch_size = getattr(batch_sampler, "batch_size", None)
+        if self.split and (self.batch_size is None or self.batch_size % world_size):
+            raise ValueError(f"split_batches=True needs a batch size that divides by the number of processes "
+                             f"({world_size}), got {self.batch_size}; choose a multiple of {world_size}")
         self.skip = 0  # batches of this process's share to skip, on the next epoch only
-        self.remainder = 0  # duplicated samples in the last round of the epoch, across processes
-        self.n_batches = 0  # batches this process yields per epoch (known once an epoch started)
-        self.rounds: list[list[list[int]]] = []  # the current epoch's batches of indices, per process
+        self.remainder = 0  # padded samples in the last round of the epoch, over all processes
+        self.batches: list[list[int]] = []  # this process's batches of indices in the current epoch
 
-    def _rounds(self) -> list[list[list[int]]]:
+    def _shard(self) -> list[list[int]]:
         batches = [list(b) for b in self.batch_sampler]
-        w = self.world_size
-        if w == 1:
+        if self.world_size == 1:
             self.remainder = 0
-            return [[b] for b in batches]
-        rounds = [batches[i:i + w] for i in range(0, len(batches), w)]
-        self.remainder = 0
-        if rounds and (len(rounds[-1]) < w or len(set(map(len, rounds[-1]))) > 1):
-            last = [i for b in rounds.pop() for i in b]
-            if not self.drop_last:
-                per = math.ceil(len(last) / w)
-                flat = [i for b in batches for i in b]
-                pad = w * per - len(last)
-                last = last + [flat[k % len(flat)] for k in range(pad)]
-                self.remainder = pad
-                rounds.append([last[p * per:(p + 1) * per] for p in range(w)])
-        return rounds
+            return batches
+        shard = _shard_split_batches if self.split else _shard_whole_batches
+        mine, self.remainder = shard(batches, self.world_size, self.rank, self.batch_size, self.drop_last, self.even)
+        return mine
 
     def __iter__(self) -> Iterator[list[int]]:
-        rounds = self.rounds = self._rounds()
-        self.n_batches = len(rounds)
+        self.batches = self._shard()
         skip, self.skip = self.skip, 0
-        for r in rounds[skip:]:
-            yield r[self.rank if self.world_size > 1 else 0]
+        yield from self.batches[skip:]
 
     def __len__(self) -> int:
-        n = len(self.batch_sampler)
-        if self.world_size == 1:
+        n, w = len(self.batch_sampler), self.world_size
+        if w == 1 or self.split:
             return n
-        return n // self.world_size if self.drop_last else math.ceil(n / self.world_size)
+        if n % w == 0 or self.drop_last:
+            return n // w
+        if self.even:
+            return n // w + 1
+        return n // w + (1 if self.rank < n % w else 0)
 
 
 class PreparedDataLoader:
@@ -120,7 +197,8 @@ class PreparedDataLoader:
 
     def __init__(self, loader: DataLoader, *, device: torch.device | None, world_size: int = 1, rank: int = 0,
                  seed: int = 0, float_dtype: torch.dtype | None = None, on_iter=None, on_end=None,
-                 non_blocking: bool | None = None, resume_position: bool = True, shuffle: str = "seedable") -> None:
+                 non_blocking: bool | None = None, resume_position: bool = True, shuffle: str = "seedable",
+                 split_batches: bool = False, even_batches: bool = True) -> None:
         self.base_loader = loader
         self.device = device
         self.float_dtype = float_dtype
@@ -170,7 +248,8 @@ class PreparedDataLoader:
         if isinstance(sampler, RandomSampler) and sampler.generator is None:
             sampler.generator = self.generator  # the shuffle order becomes part of our state
         self._sharder = _ShardedBatchSampler(loader.batch_sampler, world_size, rank,
-                                             getattr(loader.batch_sampler, "drop_last", False))
+                                             getattr(loader.batch_sampler, "drop_last", False),
+                                             split=split_batches, even=even_batches)
         kwargs = dict(
             batch_sampler=self._sharder, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
             pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
@@ -195,6 +274,32 @@ class PreparedDataLoader:
         return self.base_loader.sampler
 
     @property
+    def even_batches(self) -> bool | None:
+        """Whether the last round is padded so every process gets a batch (``None``: not sharded
+        by us, an ``IterableDataset`` or a loader without ``batch_size``); settable, as
+        ``Accelerator.join_uneven_inputs(even_batches=...)`` does for the block it wraps."""
+        return self._sharder.even if self._sharder is not None else None
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        if self._sharder is not None:
+            self._sharder.even = bool(value)
+
+    @property
+    def total_batch_size(self) -> int | None:
+        """Samples in one batch over all processes (Accelerate's name): the original batch size
+        with ``split_batches``, else that times the number of processes."""
+        bs = self.base_loader.batch_size
+        if bs is None or (self._sharder is not None and self._sharder.split):
+            return bs
+        return bs * self._world_size
+
+    @property
+    def total_dataset_length(self) -> int:
+        """The length of the dataset all processes share (Accelerate's name)."""
+        return len(self.dataset)
+
+    @property
     def remainder(self) -> int:
         """Duplicated samples (over all processes) in the last batch of the epoch; 0 elsewhere."""
         return self._sharder.remainder if (self._sharder is not None and self.end_of_dataloader) else 0
@@ -213,9 +318,9 @@ class PreparedDataLoader:
             >>> [b.tolist() for b in dl][-1], dl.batch_indices(2)
             ([8, 9], [8, 9])
         """
-        if self._sharder is None or not 0 <= position < len(self._sharder.rounds):
+        if self._sharder is None or not 0 <= position < len(self._sharder.batches):
             return None
-        return list(self._sharder.rounds[position][self._rank if self._world_size > 1 else 0])
+        return list(self._sharder.batches[position])
 
     def set_epoch(self, epoch: int) -> None:
         """Make ``epoch`` the next epoch (its shuffle order is the one that epoch had), and

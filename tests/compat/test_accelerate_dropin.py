@@ -243,10 +243,11 @@ def _orders(lib: str, mode: str, nproc: int) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-@pytest.mark.parametrize("mode", ["plain", "seedable"])
+@pytest.mark.parametrize("mode", ["plain", "seedable", "uneven", "split"])
 def test_a_prepared_loader_gives_accelerates_batches_index_for_index(mode, nproc):
-    """Shuffled, three epochs, 11 samples in batches of 3 (the last round padded on 2 processes):
-    every process's batches, and torch's RNG after them, are Accelerate's for the same seed."""
+    """Shuffled, three epochs, 11 samples in batches of 3 (the last round padded on 2 processes,
+    or not with even_batches=False), or of 4 split over the processes: every process's batches,
+    and torch's RNG after them, are Accelerate's for the same seed."""
     theirs, ours = _orders("accelerate", mode, nproc), _orders("mixprec", mode, nproc)
     assert len(ours) == nproc and ours == theirs, (theirs, ours)
 

@@ -1,7 +1,7 @@
 """Print the batches a prepared shuffled DataLoader gives each process for three epochs, under
 Accelerate or mixprec (for test_accelerate_dropin.py):
 
-    python -m torch.distributed.run --nproc_per_node 2 batch_order.py accelerate|mixprec plain|seedable|uneven
+    python -m torch.distributed.run --nproc_per_node 2 batch_order.py accelerate|mixprec plain|seedable|uneven|split
 """
 
 import json
@@ -18,9 +18,10 @@ else:
     import accelerate as mod
 
 torch.manual_seed(42)
-config = {"plain": {}, "seedable": {"use_seedable_sampler": True}, "uneven": {"even_batches": False}}[mode]
+config = {"plain": {}, "seedable": {"use_seedable_sampler": True}, "uneven": {"even_batches": False},
+          "split": {"split_batches": True}}[mode]
 acc = mod.Accelerator(cpu=True, dataloader_config=mod.DataLoaderConfiguration(**config))
-dl = acc.prepare(DataLoader(list(range(11)), batch_size=3, shuffle=True))
+dl = acc.prepare(DataLoader(list(range(11)), batch_size=4 if mode == "split" else 3, shuffle=True))
 orders = [[b.tolist() for b in dl] for _ in range(3)]
 line = f"ORDER {acc.process_index} " + json.dumps({"orders": orders, "rng_after": torch.rand(1).item()}) + "\n"
 os.write(1, line.encode())  # one write: the processes share the launcher's stdout

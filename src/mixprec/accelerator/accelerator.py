@@ -234,9 +234,6 @@ class Accelerator:
             torch.cuda.set_device(device)
         if os.environ.get("ACCELERATE_TORCH_DEVICE"):  # Accelerate's override of the device
             device = torch.device(os.environ["ACCELERATE_TORCH_DEVICE"])
-        if self.dataloader_config.split_batches and info.world_size > 1:
-            raise NotImplementedError("split_batches=True with several processes is not supported yet: each process "
-                                      "draws its own batches; divide the batch size by the number of processes instead")
         #: Which process this is among all of them, and what runs where (a part; ``state`` holds it too).
         self.processes = Processes(info, device)
         _share_with_accelerate(cpu=device.type == "cpu")
@@ -979,8 +976,12 @@ class Accelerator:
         from torch.distributed.algorithms.join import Join
 
         old = self.dataloader_config.even_batches
+        loaders = [dl for dl in self.prepared.dataloaders if dl.even_batches is not None]
+        before = [dl.even_batches for dl in loaders]
         if even_batches is not None:
             self.dataloader_config.even_batches = even_batches
+            for dl in loaders:
+                dl.even_batches = even_batches
         try:
             if self.use_distributed:
                 with Join(joinables):
@@ -992,6 +993,8 @@ class Accelerator:
                 yield
         finally:
             self.dataloader_config.even_batches = old
+            for dl, value in zip(loaders, before):
+                dl.even_batches = value
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Pad each tensor (in any nesting) along ``dim`` to the largest size any process has, so they gather."""

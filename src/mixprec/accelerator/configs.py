@@ -79,9 +79,11 @@ class DataLoaderConfiguration:
     Args:
         split_batches: each batch of the original loader is split over the processes (its
             batch size must divide by their number) instead of each process drawing its own.
-        dispatch_batches: accepted for compatibility; every process reads its own batches.
+        dispatch_batches: accepted for compatibility; every process reads its own batches
+            (the same batches Accelerate's dispatching gives, without the broadcast).
         even_batches: pad the last round with samples from the start so every process gets a
-            batch (``gather_for_metrics`` drops the duplicates). ``False`` is not supported.
+            batch (``gather_for_metrics`` drops the duplicates). ``False``: no padding, some
+            processes get one batch fewer (wrap the loop in ``Accelerator.join_uneven_inputs``).
         use_seedable_sampler: accepted; prepared loaders always shuffle from a seed and the
             epoch (``set_epoch(e)`` replays epoch ``e``'s order), the same on every process.
         data_seed: the seed of that shuffle; ``None`` draws it from torch's RNG at ``prepare``.
@@ -103,11 +105,6 @@ class DataLoaderConfiguration:
     data_seed: int | None = None
     non_blocking: bool = False
     use_stateful_dataloader: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.even_batches:
-            raise ValueError("even_batches=False is not supported: prepared dataloaders give every process a batch "
-                             "in the last round and gather_for_metrics() drops the padding; leave even_batches=True")
 
 
 @dataclass

@@ -253,7 +253,8 @@ class Preparer:
                                       on_iter=self.gradient_state._add_dataloader,
                                       on_end=self.gradient_state._remove_dataloader,
                                       non_blocking=config.non_blocking, resume_position=config.use_stateful_dataloader,
-                                      shuffle=shuffle)
+                                      shuffle=shuffle, split_batches=config.split_batches,
+                                      even_batches=config.even_batches)
         if checkpoint:
             self.prepared.dataloaders.append(prepared)
         return self._mark_prepared(prepared)

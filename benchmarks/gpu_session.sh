@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU checks of a session lent a CUDA machine (the `device` tool): one prepared run.
+# Usage there:  OUT=<folder> bash benchmarks/gpu_session.sh [probe|full]
+# Installs nothing from the network: mixprec from this checkout (PYTHONPATH), torchao from the
+# wheels carried in .whl/ when present. Figures go to $OUT; copy them into benchmarks/RESULTS.md.
+set -u
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+what=${1:-full}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+  python3 -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
+  python3 -c "import accelerate, transformers; print('accelerate', accelerate.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+
+echo "== CUDA tests"
+timeout 200 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+
+if [ "$what" = probe ]; then
+  echo "== fp8 probe"
+  timeout 120 python3 benchmarks/fp8_linear_probe.py 2>&1 | tail -30 | tee "$OUT/fp8_probe.txt"
+  echo "== bench (short)"
+  timeout 150 python3 -m mixprec.cli bench --device cuda --task pycode --size small --batch-size 64 \
+    --steps 10 --rounds 2 --out "$OUT/bench" 2>&1 | tail -30 | tee "$OUT/bench.txt"
+  exit 0
+fi
