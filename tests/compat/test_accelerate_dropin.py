@@ -191,6 +191,43 @@ def test_fsdp1_fields_with_an_fsdp2_meaning_are_taken_and_the_others_explained()
             FullyShardedDataParallelPlugin(**{name: value})
 
 
+# What `accelerate launch --use_fsdp` (or an `accelerate config` with FSDP) puts in the environment.
+LAUNCHER_FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false",
+                 "FSDP_OFFLOAD_PARAMS": "false", "FSDP_MIN_NUM_PARAMS": "0",
+                 "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block,Other",
+                 "FSDP_FORWARD_PREFETCH": "false", "FSDP_USE_ORIG_PARAMS": "true",
+                 "FSDP_CPU_RAM_EFFICIENT_LOADING": "false", "FSDP_SYNC_MODULE_STATES": "true",
+                 "FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}
+
+
+def test_the_launchers_fsdp_settings_are_read_as_accelerates_plugin_reads_them(monkeypatch):
+    from accelerate.utils import FullyShardedDataParallelPlugin as Theirs
+
+    for key, value in LAUNCHER_FSDP.items():
+        monkeypatch.setenv(key, value)
+    theirs, ours = Theirs(), Accelerator(cpu=True).state.fsdp_plugin
+    assert isinstance(ours, FullyShardedDataParallelPlugin)
+    assert (ours.reshard_after_forward, ours.transformer_cls_names_to_wrap, ours.activation_checkpointing) == \
+        (theirs.reshard_after_forward, theirs.transformer_cls_names_to_wrap, theirs.activation_checkpointing)
+    assert ours.auto_wrap_policy == "transformer_based_wrap" and theirs.auto_wrap_policy.__name__.startswith("transformer")
+    monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "NO_WRAP")
+    monkeypatch.delenv("FSDP_RESHARD_AFTER_FORWARD")
+    plugin = FullyShardedDataParallelPlugin.from_env(os.environ)
+    assert plugin.auto_wrap_policy == "no_wrap" and plugin.reshard_after_forward is True
+
+
+def test_launcher_fsdp_settings_without_an_fsdp2_meaning_are_refused_saying_why():
+    base = {**LAUNCHER_FSDP, "FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"}
+    with pytest.warns(UserWarning, match="FSDP_VERSION=1.*fsdp_version: 2"):
+        assert FullyShardedDataParallelPlugin.from_env(base).reshard_after_forward is False
+    for change, why in [({"FSDP_OFFLOAD_PARAMS": "true"}, "offloading parameters to the CPU"),
+                        ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "1000"},
+                         "size-based wrapping is not offered"),
+                        ({"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"}, "HYBRID_SHARD is not offered"),
+                        ({"FSDP_AUTO_WRAP_POLICY": "LAYER_WISE"}, "choose TRANSFORMER_BASED_WRAP or NO_WRAP")]:
+        with pytest.warns(UserWarning), pytest.raises(ValueError, match=why):
+            FullyShardedDataParallelPlugin.from_env({**base, **change})
+
 # -- the rest of the surface -----------------------------------------------------------------------------------
 def test_distributed_type_has_every_one_of_accelerates_members_and_compares_equal():
     from accelerate.utils import DistributedType as Theirs

@@ -167,7 +167,7 @@ class Accelerator:
                 and env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
             gradient_accumulation_steps = int(env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])
         if fsdp_plugin is None and _env_flag("ACCELERATE_USE_FSDP"):
-            fsdp_plugin = FullyShardedDataParallelPlugin()
+            fsdp_plugin = FullyShardedDataParallelPlugin.from_env(env)
         #: The ``kwargs_handlers`` given, by class name (mixprec's objects; Accelerate's are converted).
         self._handlers = handlers = read_kwargs_handlers(kwargs_handlers)
         ddp_kwargs = handlers["DistributedDataParallelKwargs"].to_kwargs() if "DistributedDataParallelKwargs" in \
@@ -246,6 +246,7 @@ class Accelerator:
         #: Who this process is (Accelerate's ``accelerator.state``; this Accelerator's own, not global).
         self.state = AcceleratorState(self.processes, mixed_precision=_ACCELERATE_NAMES[policy.name])
         self.state.is_fsdp2 = self.fsdp_plugin is not None
+        self.state.fsdp_plugin = self.fsdp_plugin
         #: Experiment tracking (``log_with``): started by :meth:`init_trackers`, on the main process.
         self.tracking = Trackers(log_with, self.project_configuration.logging_dir)
         #: Gradient accumulation as the loop sees it (Accelerate's ``accelerator.gradient_state``).

@@ -8,7 +8,8 @@ models are the checkpoint layer's (:mod:`mixprec.checkpoint.sharded`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -161,6 +162,44 @@ class FullyShardedDataParallelPlugin:
             elif value not in (None, False) and name != "version":
                 extra[name] = value
         return cls(**kwargs, extra=extra)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> FullyShardedDataParallelPlugin:
+        """The plugin ``accelerate launch`` describes in its ``FSDP_*`` variables (what
+        ``accelerate config`` or ``--fsdp_*`` set), resolved as Accelerate resolves them: an
+        unset wrap policy is ``NO_WRAP``; an FSDP1 setting with an FSDP2 meaning is mapped
+        (``FULL_SHARD`` / ``SHARD_GRAD_OP``); one without is refused saying why, by the same rules
+        as the plugin's own fields. ``FSDP_VERSION=1`` is run as FSDP2, with a warning."""
+        def flag(name: str) -> bool:
+            return env.get("FSDP_" + name, "false").strip().lower() in ("1", "true", "yes", "y", "on")
+
+        version = env.get("FSDP_VERSION", "1").strip()
+        if version == "1":
+            warnings.warn("accelerate launch asks for FSDP1 (FSDP_VERSION=1, the default of `accelerate config`): "
+                          "mixprec shards with FSDP2 (fully_shard), which trains the same model; set "
+                          "fsdp_version: 2 in the config to say so", stacklevel=3)
+        config: dict[str, Any] = {}
+        if version == "2" and "FSDP_RESHARD_AFTER_FORWARD" in env:
+            config["reshard_after_forward"] = flag("RESHARD_AFTER_FORWARD")
+        elif version != "2":
+            config["sharding_strategy"] = env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
+        policy = env.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").strip().upper()
+        if policy == "SIZE_BASED_WRAP":
+            config["min_num_params"] = int(env.get("FSDP_MIN_NUM_PARAMS", "0")) or 1  # refused, saying why
+        elif policy not in ("TRANSFORMER_BASED_WRAP", "NO_WRAP"):
+            raise ValueError(f"FSDP_AUTO_WRAP_POLICY={policy!r}: choose TRANSFORMER_BASED_WRAP or NO_WRAP")
+        config["auto_wrap_policy"] = policy.lower()
+        if env.get("FSDP_TRANSFORMER_CLS_TO_WRAP"):
+            config["transformer_cls_names_to_wrap"] = env["FSDP_TRANSFORMER_CLS_TO_WRAP"]
+        if env.get("FSDP_STATE_DICT_TYPE"):
+            config["state_dict_type"] = env["FSDP_STATE_DICT_TYPE"]
+        for name, field_name in (("OFFLOAD_PARAMS", "cpu_offload"), ("ACTIVATION_CHECKPOINTING_OFFLOAD",
+                                 "activation_checkpointing_offload")):
+            if flag(name):
+                config[field_name] = True  # refused, saying why
+        config["activation_checkpointing"] = flag("ACTIVATION_CHECKPOINTING")
+        config["cpu_ram_efficient_loading"] = flag("CPU_RAM_EFFICIENT_LOADING")
+        return cls.from_config(config)
 
 
 def blocks_to_shard(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) -> list[torch.nn.Module]:
