@@ -289,6 +289,36 @@ def test_a_prepared_loader_gives_accelerates_batches_index_for_index(mode, nproc
     assert len(ours) == nproc and ours == theirs, (theirs, ours)
 
 
+@pytest.mark.slow
+def test_local_sgd_averages_every_k_steps_and_at_the_end_as_accelerates_does():
+    """Two processes on different data: the weights agree right after steps 2 and 4 and after the
+    block, differ in between, and are bit for bit those Accelerate's LocalSGD gives."""
+    from toys import SCRIPTS, torchrun
+
+    seen = {}
+    for side in ("mixprec", "accelerate"):
+        proc = subprocess.run(torchrun(SCRIPTS / "local_sgd_two.py", side, nproc=2), capture_output=True, text=True,
+                              timeout=180, env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = sorted(line[line.index("WEIGHTS "):] for line in proc.stdout.splitlines() if "WEIGHTS " in line)
+        seen[side] = [json.loads(line.split(" ", 2)[2]) for line in lines]
+    assert seen["mixprec"] == seen["accelerate"]
+    rank0, rank1 = seen["mixprec"]
+    assert [a == b for a, b in zip(rank0, rank1)] == [False, True, False, True, False, True]
+
+
+def test_local_sgd_in_one_process_does_nothing_and_refuses_bad_steps():
+    from mixprec import LocalSGD
+
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    before = model.weight.detach().clone()
+    with LocalSGD(accelerator=acc, model=model, local_sgd_steps=1) as local_sgd:
+        local_sgd.step()
+    assert torch.equal(model.weight, before) and local_sgd.num_steps == 1
+    with pytest.raises(ValueError, match="local_sgd_steps must be >= 1"):
+        LocalSGD(accelerator=acc, model=model, local_sgd_steps=0)
+
 # -- Accelerate's own example scripts --------------------------------------------------------------------
 EXAMPLES = Path(os.environ.get("MIXPREC_PEER_SUITES", Path(__file__).resolve().parents[3] / "shared" / "peer-suites"))
 EXAMPLES = EXAMPLES / "suites" / "accelerate_examples" / "run.py"

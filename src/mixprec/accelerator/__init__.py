@@ -8,6 +8,7 @@ from mixprec.accelerator.configs import (
            GradientAccumulationPlugin,
            ProjectConfiguration,
 )
+from mixprec.accelerator.local_sgd import LocalSGD
 from mixprec.accelerator.state import AcceleratorState, DistributedType, GradientState
 from mixprec.accelerator.utils import (
     broadcast_object_list,
@@ -18,5 +19,5 @@ from mixprec.accelerator.utils import (
 )
 
 __all__ = ["Accelerator", "AcceleratorState", "DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin",
-           "GradientState", "ProjectConfiguration", "broadcast_object_list", "find_executable_batch_size",
+           "GradientState", "LocalSGD", "ProjectConfiguration", "broadcast_object_list", "find_executable_batch_size",
            "gather_object", "get_logger", "set_seed"]
