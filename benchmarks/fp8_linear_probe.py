@@ -58,7 +58,7 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for name, (fn, opt) in contestants.items():
+    for fn, opt in contestants.values():
         for _ in range(3):
             step(fn, opt)
     torch.cuda.synchronize()

@@ -14,7 +14,6 @@ A prepared dataloader rebuilds the user's ``DataLoader`` around a batch sampler 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 

@@ -22,6 +22,9 @@ torch.manual_seed(0)
 acc = Accelerator(cpu=True)
 model = torch.nn.Linear(3, 1)
 model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+# The prepared (DDP) model passes what it does not have through to the model.
+assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+assert model.in_features == 3 and model.weight is model.module.weight
 gen = torch.Generator().manual_seed(1 + acc.process_index)  # each process its own data
 weights = []
 with LocalSGD(accelerator=acc, model=model, local_sgd_steps=2) as local_sgd:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from mixprec.accelerator.audit import PrecisionAudit, recording_ddp_hook
@@ -26,6 +25,7 @@ from mixprec.accelerator.wrappers import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
     OptimizerHooks,
+    PreparedDDP,
     patch_forward,
 )
 from mixprec.data import PreparedDataLoader
@@ -187,7 +187,7 @@ class Preparer:
             self.monitor.watch(model)
         if state.use_distributed and self.fsdp_plugin is None:
             ids = [state.device.index] if state.device.type == "cuda" else None
-            model = DistributedDataParallel(model, device_ids=ids, **self.ddp_kwargs)
+            model = PreparedDDP(model, device_ids=ids, **self.ddp_kwargs)
             # The bucket's mean, compressed to ddp_comm_hook's dtype if set; the audit sees its dtype.
             model.register_comm_hook(state=None, hook=recording_ddp_hook(self.audit.record_reduced,
                                                                           self.ddp_wire_dtype))

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mixprec.models import ORIGINAL_FORWARD
 from mixprec.precision import PrecisionPlugin
 
-__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "OptimizerHooks", "patch_forward", "unpatch_forward",
+__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "OptimizerHooks", "PreparedDDP", "patch_forward", "unpatch_forward",
            "unwrap", "unwrap_keeping_compile"]
 
 _ORIGINAL = ORIGINAL_FORWARD  # models.original_forward reads it
@@ -258,3 +258,18 @@ class AcceleratedScheduler:
         if name in ("scheduler", "optimizers", "gradient_state", "step_with_optimizer", "steps_per_call"):
             raise AttributeError(name)
         return getattr(self.scheduler, name)
+
+
+class PreparedDDP(DistributedDataParallel):
+    """torch's ``DistributedDataParallel``, through which every attribute the wrapper does not
+    have reaches the wrapped model (``model.config``, custom methods and attributes), so a loop
+    reads the prepared model as it read the model in one process. Plain DDP (and Accelerate's
+    prepared model) raise ``AttributeError`` there; ``unwrap_model`` still gives the module."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters, buffers and submodules of the wrapper
+        except AttributeError:
+            if name.startswith("__") or name == "module" or "module" not in self._modules:
+                raise
+            return getattr(self._modules["module"], name)
