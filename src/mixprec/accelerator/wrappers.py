@@ -26,7 +26,8 @@ _PRECISION = "_mixprec_precision"  # a function returning the owner's current pl
 def _precision_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     plugin: PrecisionPlugin = getattr(self, _PRECISION)()
     with plugin.forward_context():
-        return getattr(self, _ORIGINAL)(*plugin.convert_input(args), **plugin.convert_input(kwargs))
+        out = getattr(self, _ORIGINAL)(*plugin.convert_input(args), **plugin.convert_input(kwargs))
+    return plugin.convert_output(out)
 
 
 def patch_forward(model: torch.nn.Module, current_precision: Callable[[], PrecisionPlugin]) -> None:

@@ -92,6 +92,10 @@ class PrecisionPlugin:
         """``data`` (a batch, nested containers included) as this precision's forward takes it."""
         return data
 
+    def convert_output(self, data: Any) -> Any:
+        """What the prepared model returns, from what its forward computed (unchanged here)."""
+        return data
+
     def forward_context(self) -> contextlib.AbstractContextManager:
         """The context the forward runs in (autocast for the mixed precisions)."""
         return self.policy.autocast(self.device)

@@ -6,8 +6,11 @@ over the run's optimizers (scale, unscale once, step or skip, update once per it
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from mixprec.nested import tree_map
 from mixprec.precision.base import PrecisionPlugin
 
 __all__ = ["MixedPrecision"]
@@ -37,6 +40,15 @@ class MixedPrecision(PrecisionPlugin):
     """
 
     accepts_loss_scaler = True
+
+    def convert_output(self, data: Any) -> Any:
+        """fp16 and bf16 tensors in what the model returns, cast to fp32 (as Accelerate's prepared
+        model returns them): a loss or metric computed from them outside autocast is computed in
+        fp32. Differentiable; other tensors and containers pass unchanged."""
+        def up(t: Any) -> Any:
+            return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
+
+        return tree_map(up, data)
 
     def fallback_precision(self, native_bf16: bool) -> str | None:
         return "bf16-mixed" if native_bf16 and self.policy.compute_dtype == torch.float16 else "fp32"
