@@ -106,8 +106,27 @@ def _cpu_capability() -> DeviceCapability:
         reasons["fp16-mixed"] = impractical["fp16-mixed"] = (
             "this CPU has neither AMX-FP16 nor AVX512-FP16, so fp16 matrix products fall back to a generic "
             "kernel that runs 40-200x slower than fp32; use bf16-mixed")
+    _float8_support(support, reasons, impractical, None)
     return DeviceCapability(device="cpu", name=_cpu_name(), flags=flags, support=support, reasons=reasons,
                             impractical=impractical)
+
+
+def _float8_support(support: dict[str, str], reasons: dict[str, str], impractical: dict[str, str],
+                    cc: tuple[int, int] | None) -> None:
+    """fp8's row: torchao's float8 kernels on CUDA 8.9+, its emulation elsewhere, nothing without torchao."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        support["fp8"] = UNSUPPORTED
+        reasons["fp8"] = "torchao is not installed (pip install torchao, or mixprec[fp8])"
+    elif cc is not None and cc >= (8, 9):
+        support["fp8"] = NATIVE
+    else:
+        where = f"compute capability {cc[0]}.{cc[1]} < 8.9 has" if cc else "a CPU has"
+        support["fp8"] = EMULATED
+        reasons["fp8"] = impractical["fp8"] = (
+            f"{where} no float8 matrix kernels, so torchao emulates them: the same quantisation (a GPU's "
+            "numerics), slower than bf16; fine for checking whether a model trains in fp8, not for speed")
 
 
 def _cuda_capability(device: torch.device) -> DeviceCapability:
@@ -132,6 +151,8 @@ def _cuda_capability(device: torch.device) -> DeviceCapability:
             f"compute capability {major}.{minor} < 8.0 has no native bf16"
         )
     support["bf16-mixed"] = support["bf16-true"] = bf16
+    impractical: dict[str, str] = {}
+    _float8_support(support, reasons, impractical, cc)
     return DeviceCapability(
         device=f"cuda:{index}",
         name=torch.cuda.get_device_name(index),
@@ -139,6 +160,7 @@ def _cuda_capability(device: torch.device) -> DeviceCapability:
         compute_capability=cc,
         support=support,
         reasons=reasons,
+        impractical=impractical,
     )
 
 

@@ -170,6 +170,28 @@ def test_the_prepared_optimizer_passes_its_methods_and_attributes_through():
         opt.no_such_thing  # noqa: B018
 
 
+
+def test_a_prepared_model_returns_fp32_outputs_under_bf16_as_accelerates_does():
+    """Accelerate wraps the forward in ``convert_outputs_to_fp32``: a loss computed from the outputs
+    outside autocast is fp32's. Other tensors (int, fp32) and the containers pass unchanged."""
+    import accelerate
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"logits": y, "pair": (y, x.argmax(-1)), "y32": y.float()}
+
+    seen = []
+    for lib in (accelerate, mixprec):
+        torch.manual_seed(0)
+        out = lib.Accelerator(cpu=True, mixed_precision="bf16").prepare(Net())(torch.randn(2, 4))
+        seen.append({k: [t.dtype for t in v] if isinstance(v, tuple) else v.dtype for k, v in out.items()})
+    assert seen[0] == seen[1] == {"logits": torch.float32, "pair": [torch.float32, torch.int64], "y32": torch.float32}
+
 # -- FSDP1 fields -------------------------------------------------------------------------------------------
 def test_fsdp1_fields_with_an_fsdp2_meaning_are_taken_and_the_others_explained():
     from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig

@@ -57,7 +57,7 @@ from mixprec.tracking import Trackers
 __all__ = ["Accelerator"]
 
 _PRECISION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PrecisionConfig)}
-_ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16-true"}
+_ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16-true", "fp8": "fp8"}
 
 
 @expose(PROCESS_API, "state")  # who am I, read from self.state as Accelerate's are
@@ -242,6 +242,9 @@ class Accelerator:
         if scaler_kwargs and policy.needs_loss_scaler and precision_config.loss_scaler is None:
             # GradScalerKwargs set the fp16 scaler (where there is none, Accelerate ignores it too).
             precision_config = self.precision_config = dataclasses.replace(precision_config, loss_scaler=scaler_kwargs)
+        ao = handlers.get("AORecipeKwargs")
+        if ao is not None and policy.float8_linears:
+            precision_config = self.precision_config = dataclasses.replace(precision_config, **_fp8_fields(ao))
         self.precision: PrecisionPlugin = make_plugin(policy, device, precision_config)
         #: Who this process is (Accelerate's ``accelerator.state``; this Accelerator's own, not global).
         self.state = AcceleratorState(self.processes, mixed_precision=_ACCELERATE_NAMES[policy.name])
@@ -774,7 +777,8 @@ class Accelerator:
             reduce_dtype = self.preparer.ddp_wire_dtype
         return self.audit.report(p.name, mode, [unwrap(m) for m in self.prepared.models],
                                  [o.optimizer for o in self.prepared.optimizers], self.scaler,
-                                 reduce_dtype=reduce_dtype, moments=self.precision.optimizer_state_dtype)
+                                 reduce_dtype=reduce_dtype, moments=self.precision.optimizer_state_dtype,
+                                 details=self.precision.report(), precision_violations=self.precision.violations())
 
     def free_memory(self, *objects: Any) -> Any:
         """Forget every prepared object, collect garbage and empty the device cache (between two
@@ -836,12 +840,28 @@ class Accelerator:
     deepspeed_plugin = None
     parallelism_config = None
     torch_device_mesh = None
-    ao_recipe_handler = None
     te_recipe_handler = None
-    has_fp8_handler = False
-    fp8_enabled = False
     delayed_fp8_autocast = False
-    fp8_backend = None
+
+    @property
+    def fp8_enabled(self) -> bool:
+        """Whether Linear layers train in float8 (``mixed_precision="fp8"``)."""
+        return self.policy.float8_linears
+
+    @property
+    def fp8_backend(self) -> str:
+        """``"AO"`` (torchao) under fp8, else ``"NO"`` (Accelerate's ``FP8BackendType`` values)."""
+        return "AO" if self.fp8_enabled else "NO"
+
+    @property
+    def has_fp8_handler(self) -> bool:
+        """Whether an fp8 recipe handler (``AORecipeKwargs``) was given."""
+        return "AORecipeKwargs" in self._handlers
+
+    @property
+    def ao_recipe_handler(self) -> Any:
+        """The ``AORecipeKwargs`` given, ``None`` without one."""
+        return self._handlers.get("AORecipeKwargs")
     has_lomo_optimizer = False
     is_composable_parallelism_enabled = False
     flag_tensor = None
@@ -1063,6 +1083,23 @@ def _share_with_accelerate(cpu: bool) -> None:
 def _env_flag(name: str) -> bool:
     """A flag `accelerate launch` sets (Accelerate's truth values: y/yes/t/true/on/1)."""
     return os.environ.get(name, "").strip().lower() in ("y", "yes", "t", "true", "on", "1")
+
+
+def _fp8_fields(ao: Any) -> dict[str, Any]:
+    """The ``PrecisionConfig`` fields an ``AORecipeKwargs`` sets: torchao's config (with its
+    ``pad_inner_dim`` / ``enable_fsdp_float8_all_gather`` if given) and the layer filter."""
+    fields: dict[str, Any] = {}
+    config = ao.config
+    tweaks = {k: v for k in ("pad_inner_dim", "enable_fsdp_float8_all_gather") if (v := getattr(ao, k)) is not None}
+    if config is None and tweaks:
+        from mixprec.precision.fp8 import torchao_float8
+
+        config = torchao_float8().Float8LinearConfig()
+    if config is not None:
+        fields["fp8_recipe"] = dataclasses.replace(config, **tweaks) if tweaks else config
+    if ao.module_filter_func is not None:
+        fields["fp8_filter"] = ao.module_filter_func
+    return fields
 
 
 def _truncate(data: Any, n: int) -> Any:

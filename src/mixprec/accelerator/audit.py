@@ -47,6 +47,9 @@ CONTRACT: dict[str, dict[str, Any]] = {
                        moments=_F32, scaler=True),
     "bf16-true": dict(master=_B16, forward=_B16, autocast=None, activations=_B16, reduced=_B16, grads=_B16,
                       moments=_F32, scaler=False),
+    # fp8: bf16-mixed's, and the chosen Linear layers multiply in float8 (the plugin's report()).
+    "fp8": dict(master=_F32, forward="compute", autocast=_B16, activations=_B16, reduced=_F32, grads=_F32,
+                moments=_F32, scaler=False),
 }
 
 
@@ -94,6 +97,8 @@ class PrecisionReport:
         observed: field -> what was seen (dtype names, ``"not observed yet"`` before the first step).
         expected: field -> what the contract says.
         violations: one sentence per field that differs (empty when the contract holds).
+        details: what the precision adds of its own (fp8: each Linear layer and what it runs in,
+            the recipe, the kernels, the float8 dtypes seen in forward); empty for the others.
     """
 
     precision: str
@@ -101,6 +106,7 @@ class PrecisionReport:
     observed: dict[str, Any]
     expected: dict[str, Any]
     violations: list[str]
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -114,6 +120,8 @@ class PrecisionReport:
                  f"autocast {o['autocast']}", f"matmul outputs {o['activations']}",
                  f"gradients reduced in {o['reduced_gradients']}", f"gradients {o['gradients']}",
                  f"optimizer state {o['optimizer_state']}", f"scaler {o['scaler']}"]
+        if self.details.get("summary"):
+            parts.append(self.details["summary"])
         verdict = "as the contract says" if self.ok else "DIFFERS: " + "; ".join(self.violations)
         return f"precision in force ({self.precision}, {self.mode}): " + ", ".join(parts) + f" -- {verdict}"
 
@@ -189,8 +197,10 @@ class PrecisionAudit:
     # -- the report ------------------------------------------------------------------------
     def report(self, precision: str, mode: str, models: list[torch.nn.Module],
                optimizers: list[torch.optim.Optimizer], scaler: Any, *, reduce_dtype: torch.dtype | None = None,
-               moments: torch.dtype | None = None) -> PrecisionReport:
-        """Compare what was observed with the contract of ``precision`` run as ``mode``."""
+               moments: torch.dtype | None = None, details: dict[str, Any] | None = None,
+               precision_violations: list[str] | None = None) -> PrecisionReport:
+        """Compare what was observed with the contract of ``precision`` run as ``mode``;
+        ``details`` and ``precision_violations`` are what the precision plugin observed itself."""
         exp = expected_dtypes(precision, mode, reduce_dtype=reduce_dtype, moments=moments)
         # (normalisation layers stay fp32 in bf16-true: not master weights in the contract's sense)
         master = {_local(p).dtype for model in models for m in model.modules() if not fp32_modules_rule(m)
@@ -248,7 +258,8 @@ class PrecisionAudit:
             bad.append(f"a loss scaler is scaling by {scale:g}, the contract says none")
         if on and self.scaler_restored is False:
             bad.append(f"the loss scaler was not restored by load_state ({self.scaler_note})")
-        return PrecisionReport(precision, mode, observed, expected, bad)
+        bad += precision_violations or []
+        return PrecisionReport(precision, mode, observed, expected, bad, dict(details or {}))
 
     def close(self) -> None:
         """Remove every hook still installed."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AutocastKwargs", "DDPCommunicationHookType", "DistributedDataParallelKwargs", "GradScalerKwargs",
+__all__ = ["AORecipeKwargs", "AutocastKwargs", "DDPCommunicationHookType", "DistributedDataParallelKwargs", "GradScalerKwargs",
            "InitProcessGroupKwargs", "KwargsHandler", "ProfileKwargs", "read_kwargs_handlers"]
 
 
@@ -65,6 +65,19 @@ class DistributedDataParallelKwargs(KwargsHandler):
     comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
     comm_wrapper: str = "no"
     comm_state_option: dict = field(default_factory=dict)
+
+
+@dataclass
+class AORecipeKwargs(KwargsHandler):
+    """fp8 through torchao (Accelerate's handler): torchao's ``Float8LinearConfig`` (``None``: the
+    recipe of ``PrecisionConfig.fp8_recipe``, tensorwise by default) and the layer filter
+    ``module_filter_func(module, name) -> bool`` (``None``: all Linear layers but the first and the
+    last). ``pad_inner_dim`` and ``enable_fsdp_float8_all_gather`` set those fields of the config."""
+
+    config: Any = None
+    module_filter_func: Any = None
+    pad_inner_dim: bool | None = None
+    enable_fsdp_float8_all_gather: bool | None = None
 
 
 @dataclass
@@ -118,9 +131,9 @@ class ProfileKwargs(KwargsHandler):
                                       with_modules=self.with_modules)
 
 
-_OURS = {cls.__name__: cls for cls in (AutocastKwargs, DistributedDataParallelKwargs, GradScalerKwargs,
-                                       InitProcessGroupKwargs, ProfileKwargs)}
-_FP8 = ("FP8RecipeKwargs", "AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs")
+_OURS = {cls.__name__: cls for cls in (AORecipeKwargs, AutocastKwargs, DistributedDataParallelKwargs,
+                                       GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)}
+_OTHER_FP8 = ("FP8RecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs")
 
 
 def read_kwargs_handlers(handlers: list[Any] | None) -> dict[str, Any]:
@@ -128,14 +141,17 @@ def read_kwargs_handlers(handlers: list[Any] | None) -> dict[str, Any]:
 
     Raises:
         ValueError: two handlers of one kind, or one mixprec does not take (naming those it takes).
-        NotImplementedError: an fp8 recipe (fp8 training is not in mixprec yet).
+        NotImplementedError: an fp8 recipe of another backend than torchao (TransformerEngine, MS-AMP).
     """
     found: dict[str, Any] = {}
     for handler in handlers or []:
         name = type(handler).__name__
-        if name in _FP8:
-            raise NotImplementedError(f"{name}: fp8 training is not in mixprec yet; train in bf16 "
-                                      "(mixed_precision='bf16') meanwhile")
+        if name in _OTHER_FP8 and str(getattr(getattr(handler, "backend", None), "value",
+                                              getattr(handler, "backend", ""))).upper() != "AO":
+            raise NotImplementedError(f"{name}: mixprec's fp8 runs torchao's float8 training, not TransformerEngine "
+                                      "or MS-AMP; pass AORecipeKwargs(...) or just mixed_precision='fp8'")
+        if name == "FP8RecipeKwargs":  # Accelerate's old catch-all, with backend="AO"
+            name = "AORecipeKwargs"
         if name not in _OURS:
             raise ValueError(f"kwargs_handlers: {name} is not a handler mixprec takes; it takes "
                              f"{', '.join(sorted(_OURS))}")

@@ -201,6 +201,14 @@ class PrecisionPlugin:
         """The precision to switch to when this one's loss scale collapses (``None``: none)."""
         return None
 
+    def report(self) -> dict[str, Any]:
+        """What this precision observed of itself, for ``precision_report`` (none here)."""
+        return {}
+
+    def violations(self) -> list[str]:
+        """Where what this precision observed of itself differs from what it promises (none here)."""
+        return []
+
     def log_values(self) -> dict[str, Any]:
         """Values for a training log line (the loss scale and skips, where there is a scaler; syncs)."""
         if self._scaler is None:

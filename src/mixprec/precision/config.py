@@ -17,6 +17,8 @@ from mixprec.precision.scaler import LossScaler
 __all__ = ["COLLAPSE_POLICIES", "PrecisionConfig"]
 
 COLLAPSE_POLICIES = ("raise", "fallback")
+#: torchao's float8 training recipes (mixprec.precision.fp8 uses them; named here, where they are checked).
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +39,12 @@ class PrecisionConfig:
             ``torch.float32`` (default) or ``torch.bfloat16`` (``"fp32"``/``"bf16"`` accepted).
         on_loss_scale_collapse: ``"raise"`` (default) or ``"fallback"`` (switch to bf16-mixed
             where bf16 is native, else fp32, and continue).
+        fp8_recipe: for fp8, torchao's float8 recipe: ``"tensorwise"`` (default), ``"rowwise"``,
+            ``"rowwise_with_gw_hp"`` (weight gradients in high precision), or a torchao
+            ``Float8LinearConfig``.
+        fp8_filter: for fp8, which Linear layers stay in bf16 instead of the default (the first
+            and the last): a list of layer names, or ``(module, name) -> bool`` (``True``:
+            convert, torchao's ``module_filter_fn``). See :func:`mixprec.precision.fp8.float8_layer_choice`.
 
     Example:
         >>> PrecisionConfig(bf16_true_state_dtype="bf16").bf16_true_state_dtype
@@ -48,6 +56,8 @@ class PrecisionConfig:
     bf16_true_compensation: str = "kahan"
     bf16_true_state_dtype: torch.dtype | str = torch.float32
     on_loss_scale_collapse: str = "raise"
+    fp8_recipe: Any = "tensorwise"
+    fp8_filter: Any = None
 
     def __post_init__(self) -> None:
         if self.loss_scaler is not None and not isinstance(self.loss_scaler, (LossScaler, dict)):
@@ -64,6 +74,15 @@ class PrecisionConfig:
             raise ValueError(f"bf16_true_state_dtype={self.bf16_true_state_dtype!r} is not valid; choose one of: "
                              "'fp32', 'bf16' (torch.float32 or torch.bfloat16: the compensated optimizer's moments)")
         object.__setattr__(self, "bf16_true_state_dtype", dtype)
+        if isinstance(self.fp8_recipe, str) and self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8_recipe={self.fp8_recipe!r} is not a float8 recipe; choose one of: "
+                             f"{', '.join(map(repr, FP8_RECIPES))}, or give a torchao Float8LinearConfig")
+        if self.fp8_filter is not None and not (callable(self.fp8_filter) or (
+                isinstance(self.fp8_filter, (list, tuple)) and all(isinstance(n, str) for n in self.fp8_filter))):
+            raise TypeError("fp8_filter must be a list of Linear layer names to keep in bf16, or a callable "
+                            f"(module, name) -> bool; got {type(self.fp8_filter).__name__}")
+        if isinstance(self.fp8_filter, list):
+            object.__setattr__(self, "fp8_filter", tuple(self.fp8_filter))
         if self.on_loss_scale_collapse not in COLLAPSE_POLICIES:
             raise ValueError(f"on_loss_scale_collapse must be 'raise' or 'fallback', got {self.on_loss_scale_collapse!r}")
 

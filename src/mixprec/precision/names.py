@@ -38,15 +38,17 @@ class _Row:
     param_dtype: torch.dtype
     autocast_enabled: bool
     needs_loss_scaler: bool
+    float8_linears: bool = False
 
 
 _f32, _f16, _b16 = torch.float32, torch.float16, torch.bfloat16
-# canonical name: aliases, compute dtype, parameter dtype, autocast, loss scaler.
+# canonical name: aliases, compute dtype, parameter dtype, autocast, loss scaler, Linear layers in float8.
 _TABLE: dict[str, _Row] = {
     "fp32": _Row(("no", "32", "32-true", "fp32-true"), _f32, _f32, False, False),
     "fp16-mixed": _Row(("fp16", "16", "16-mixed"), _f16, _f32, True, True),
     "bf16-mixed": _Row(("bf16",), _b16, _f32, True, False),
     "bf16-true": _Row((), _b16, _b16, False, False),
+    "fp8": _Row(("fp8-mixed", "float8"), _b16, _f32, True, False, float8_linears=True),
 }
 CANONICAL_PRECISIONS = (*_TABLE, "auto")
 _ALIASES = {alias: canon for canon, row in _TABLE.items() for alias in (canon, *row.aliases)} | {"auto": "auto"}
@@ -83,12 +85,14 @@ class PrecisionPolicy:
     Build one with :func:`~mixprec.resolve_precision`; the fields are the row of the names table.
 
     Args:
-        name: the canonical name (``"fp32"``, ``"fp16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"``).
+        name: the canonical name (``"fp32"``, ``"fp16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"fp8"``).
         compute_dtype: the dtype matrix products run in.
         param_dtype: the dtype the parameters are stored in.
         optimizer_state_dtype: the dtype of the optimizer's moment buffers.
         autocast_enabled: whether the forward runs under ``torch.autocast``.
         needs_loss_scaler: whether a dynamic loss scaler is required (fp16's narrow range).
+        float8_linears: whether Linear layers multiply in float8 (fp8: torchao's float8 training,
+            each tensor scaled; the rest of the forward in ``compute_dtype`` under autocast).
         requested: the name as the user wrote it (``"auto"``, ``"fp16"``, ...).
         reason: why this policy was chosen (filled in for ``auto``).
 
@@ -106,6 +110,7 @@ class PrecisionPolicy:
     optimizer_state_dtype: torch.dtype
     autocast_enabled: bool
     needs_loss_scaler: bool
+    float8_linears: bool = False
     requested: str = ""
     reason: str = ""
 
@@ -204,4 +209,5 @@ def policy_for(name: str, *, requested: str = "", reason: str = "") -> Precision
     row = _TABLE[canon]
     return PrecisionPolicy(name=canon, requested=requested or str(name), reason=reason,
                            compute_dtype=row.compute_dtype, param_dtype=row.param_dtype, optimizer_state_dtype=_f32,
-                           autocast_enabled=row.autocast_enabled, needs_loss_scaler=row.needs_loss_scaler)
+                           autocast_enabled=row.autocast_enabled, needs_loss_scaler=row.needs_loss_scaler,
+                           float8_linears=row.float8_linears)

@@ -9,6 +9,7 @@ import torch
 from mixprec.precision.base import PrecisionPlugin
 from mixprec.precision.bf16_true import BF16TruePrecision
 from mixprec.precision.config import PrecisionConfig
+from mixprec.precision.fp8 import Float8Precision
 from mixprec.precision.fp32 import FP32Precision
 from mixprec.precision.mixed import MixedPrecision
 from mixprec.precision.names import PrecisionPolicy, resolve_precision
@@ -21,6 +22,7 @@ PLUGINS: dict[str, type[PrecisionPlugin]] = {
     "fp16-mixed": MixedPrecision,
     "bf16-mixed": MixedPrecision,
     "bf16-true": BF16TruePrecision,
+    "fp8": Float8Precision,
 }
 
 
