@@ -18,7 +18,7 @@ fi
 } 2>&1 | tee "$OUT/env.txt"
 
 echo "== CUDA tests"
-timeout 200 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 
 if [ "$what" = probe ]; then
   echo "== fp8 probe"
@@ -28,3 +28,11 @@ if [ "$what" = probe ]; then
     --steps 10 --rounds 2 --out "$OUT/bench" 2>&1 | tail -30 | tee "$OUT/bench.txt"
   exit 0
 fi
+
+echo "== bench: pycode small, bf16-mixed against fp8, compiled"
+timeout 170 python3 -m mixprec.cli bench --device cuda --task pycode --size small --batch-size 64 \
+  --precisions bf16-mixed,fp8 --compile --steps 10 --rounds 3 --out "$OUT/small" 2>&1 | tail -14 | tee "$OUT/bench_small.txt"
+echo "== bench: a GPT of width 2048 (benchmarks/gpt_wide.py), bf16-mixed against fp8, compiled"
+PYTHONPATH=$PYTHONPATH:$PWD/benchmarks timeout 220 python3 -m mixprec.cli bench --device cuda \
+  --model gpt_wide:build_model --data gpt_wide:build_data --batch-size 16 \
+  --precisions bf16-mixed,fp8 --compile --steps 10 --rounds 2 --out "$OUT/wide" 2>&1 | tail -14 | tee "$OUT/bench_wide.txt"

@@ -28,12 +28,12 @@ def regression(n: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x[:, :4].sum(1, keepdim=True) * x[:, 4:5]).tanh()
 
 
-def train_mlp(precision: str, steps: int = 60, **kwargs) -> tuple[list[float], Accelerator, nn.Module]:
+def train_mlp(precision: str, steps: int = 60, cpu: bool = True, **kwargs) -> tuple[list[float], Accelerator, nn.Module]:
     torch.manual_seed(0)
     model = mlp()
-    acc = Accelerator(cpu=True, mixed_precision=precision, **kwargs)
+    acc = Accelerator(cpu=cpu, mixed_precision=precision, **kwargs)
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
-    x, y = regression()
+    x, y = (t.to(acc.device) for t in regression())
     losses = []
     for i in range(steps):
         xb, yb = x[(i * 32) % 256:][:32], y[(i * 32) % 256:][:32]
@@ -189,3 +189,16 @@ def test_bad_fp8_options_are_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match="one Linear layer"):
         Accelerator(cpu=True, mixed_precision="fp8", precision_config=PrecisionConfig(fp8_filter=lambda m, name: True)).prepare(
             nn.Linear(16, 16))
+
+
+@pytest.mark.gpu
+def test_fp8_on_cuda_runs_torchaos_float8_kernels_and_trains_like_bf16():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 kernels need compute capability 8.9+")
+    fp8, acc, model = train_mlp("fp8", cpu=False)
+    bf16, _, _ = train_mlp("bf16-mixed", cpu=False)
+    assert not acc.precision.emulated and not model[2].config.emulate
+    report = acc.precision_report()
+    assert report.ok and report.details["float8_in_forward"] == ["float8_e4m3fn"], report.line()
+    first, last = sum(fp8[:5]) / 5, sum(fp8[-10:]) / 10
+    assert last < 0.5 * first and abs(last - sum(bf16[-10:]) / 10) < 0.05 * first
