@@ -117,6 +117,9 @@ class BenchConfig:
             PrecisionConfig(bf16_true_compensation=comp, bf16_true_state_dtype=self.bf16_true_state_dtype)
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        if self.compile and self.warmup < 1:
+            raise ValueError("compile=True needs warmup >= 1: the first step compiles, before the steps that count "
+                             "FLOPs and host syncs (a model first called under a counter stays uncompiled)")
         if self.device is not None:
             try:
                 torch.device(self.device)

@@ -92,7 +92,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     # Every contestant's forward is one code object (the precision's forward wrapper), and each
     # model adds entries to its compile cache (a Float8Linear is another type, the first step's
     # observing hooks another guard): past dynamo's recompile limit (8) the later contestants would
-    # silently run uncompiled (fp8 measured 0.3x of bf16 on an H200 so). Room for all of them.
+    # silently run uncompiled. Room for all of them.
     import torch._dynamo
 
     limit = max(64, torch._dynamo.config.recompile_limit)
@@ -221,8 +221,10 @@ def _start(row: dict[str, Any], runners: dict[str, Any], name: str, build: Calla
     try:
         runner = build()
         if isinstance(runner, Runner):  # Hugging Face's Trainer warms up in its own run (_run_rounds)
-            row["flops_per_step"] = runner.count_flops()
+            # Warm-up first: a compiled model's first call compiles, and a first call under the FLOP
+            # counter (a dispatch mode) would leave it uncompiled for good (measured: no graph).
             runner.run_chunk(config.warmup)
+            row["flops_per_step"] = runner.count_flops()
             row["host_syncs_per_step"] = runner.count_syncs()  # after the warm-up: steady state
     except Exception as exc:  # e.g. resolve_precision's ValueError for a precision the device lacks
         _skip(row, f"{type(exc).__name__}: {exc}")
