@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,6 +21,21 @@ CPU = torch.device("cpu")
 # batches an epoch, so that the chunks below stop mid-epoch and exactly at an epoch's end.
 CONFIG = BenchConfig(model="toys:TinyLM", data="test_runners:twenty_sequences", precisions=("fp32",), steps=3,
                      rounds=4, warmup=0, batch_size=4, device="cpu", memory=False)
+
+
+class ThreeLayerLM(torch.nn.Module):
+    """An LM with a middle Linear layer (the one fp8 converts; the first and last stay bf16) and
+    nothing in forward that changes between steps (a compiled forward compiles once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 32)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                                       torch.nn.GELU(), torch.nn.Linear(64, 32))
+
+    def forward(self, input_ids, labels):
+        logits = self.mlp(self.emb(input_ids))
+        return {"loss": torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())}
 
 
 def twenty_sequences() -> LMData:
@@ -93,3 +110,20 @@ def test_step_chunks_times_every_step_and_ends_each_chunk_after_its_steps(job):
         runner.finish()
     assert ends == [2, 5] and runner.trainer.state.global_step == 5
     assert len(times) == 5 and not chunks.plan
+
+
+def test_counting_flops_and_syncs_leaves_a_compiled_fp8_contestant_compiled(job):
+    """The counted steps run the compiled model's own module: counting under the compiled one
+    made dynamo compile torchao's float8 ``__torch_dispatch__`` op by op from then on."""
+    pytest.importorskip("torchao.float8")
+    import torch._dynamo.utils
+
+    runner = mixprec_runner(build_job(dataclasses.replace(CONFIG, model="test_runners:ThreeLayerLM")), "fp8",
+                            CONFIG, CPU)
+    runner.model = torch.compile(runner.model, backend="eager")
+    runner.run_chunk(2)
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    assert runner.count_flops() > 0 and runner.count_syncs() == 0
+    runner.run_chunk(3)
+    assert dict(torch._dynamo.utils.counters["frames"]) == frames
+    assert isinstance(runner.model, torch._dynamo.eval_frame.OptimizedModule)

@@ -141,8 +141,9 @@ class Float8Precision(MixedPrecision):
         return module
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        if self._witnessed or not any(v.startswith("float8") for v in self.layers.values()) \
-                or torch.compiler.is_compiling():
+        # is_compiling() first: a compiled forward then reads (and guards on) nothing of the witness.
+        if torch.compiler.is_compiling() or self._witnessed or \
+                not any(v.startswith("float8") for v in self.layers.values()):
             return super().forward_context()
         self._witnessed = True
         return self._witness()

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -70,19 +69,29 @@ class Runner:
         """Host-device syncs in one training step (a real step, untimed), as
         :func:`~mixprec.diagnostics.count_host_syncs` counts them; the optimizer's host-side step
         counters are not device reads."""
-        with count_host_syncs(self.device, ignore=host_side_tensors(self.prepared_optimizer())) as syncs:
+        with self._uncompiled(), count_host_syncs(self.device,
+                                                  ignore=host_side_tensors(self.prepared_optimizer())) as syncs:
             self.step()
         return syncs.count
 
     def count_flops(self) -> int:
         """One training step with its forward and backward FLOPs counted (a real step, untimed)."""
         counter = flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS)
-        with warnings.catch_warnings():
-            # The counter's module hooks are global; a compiled model warns they fire twice. The
-            # count is unaffected (it counts operators, not hook calls).
-            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        with self._uncompiled():
             self.step(counter)
         return int(counter.get_total_flops())
+
+    @contextlib.contextmanager
+    def _uncompiled(self) -> Iterator[None]:
+        """The counted steps run the compiled model's own module: a compiled model called under
+        a counter (a dispatch mode) ran uncompiled afterwards (seen with fp8's float8 tensors:
+        dynamo then compiled their ``__torch_dispatch__`` op by op, 3x slower than bf16 on an H200)."""
+        compiled = self.model
+        self.model = getattr(compiled, "_orig_mod", compiled)
+        try:
+            yield
+        finally:
+            self.model = compiled
 
     def finish(self) -> None:
         """Release what the contestant holds (temporary folders)."""
