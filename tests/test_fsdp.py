@@ -93,6 +93,22 @@ def test_sharded_training_equals_one_process_over_the_same_global_batches(runs, 
         torch.testing.assert_close(got[k], ref[k], rtol=tol, atol=tol)
 
 
+def test_fp8_shards_trains_and_resumes_bit_for_bit(tmp_path):
+    """fp8 (torchao's float8 Linear layers, emulated here) under FSDP2: the blocks' six Linear
+    layers run in float8, the contract holds, and a sharded checkpoint resumes bit for bit."""
+    pytest.importorskip("torchao.float8")
+    full = launch(tmp_path / "full", "--precision", "fp8", "--save-at", "4")
+    launch(tmp_path / "resumed", "--precision", "fp8", "--resume", str(tmp_path / "full" / "ckpt"))
+    details = full["precision_details"]
+    assert full["precision_ok"] and full["sharded"] and full["ranks_identical"]
+    assert details["float8_in_forward"] == ["float8_e4m3fn"]
+    assert sorted(k for k, v in details["layers"].items() if v.startswith("float8")) == [
+        f"layers.{i}.{fc}" for i in range(3) for fc in ("fc1", "fc2")]
+    assert full["losses"][-1] < full["losses"][0]
+    a, b = weights(tmp_path / "full"), weights(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_an_inf_on_one_rank_skips_the_step_on_both(tmp_path):
     res = launch(tmp_path, "--precision", "fp16", "--inf-rank", "1", "--inf-step", "2")
     assert res["skipped"][2] is True and sum(res["skipped"]) == 1  # rank 0 saw no inf itself

@@ -202,3 +202,19 @@ def test_fp8_on_cuda_runs_torchaos_float8_kernels_and_trains_like_bf16():
     assert report.ok and report.details["float8_in_forward"] == ["float8_e4m3fn"], report.line()
     first, last = sum(fp8[:5]) / 5, sum(fp8[-10:]) / 10
     assert last < 0.5 * first and abs(last - sum(bf16[-10:]) / 10) < 0.05 * first
+
+
+def test_the_trainer_takes_precision_fp8(tmp_path):
+    from mixprec import Trainer, TrainingArguments
+    from mixprec.tasks import get_task
+
+    task = get_task("pycode", size="tiny")
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path), precision="fp8", max_steps=4, per_device_train_batch_size=8,
+                             use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=task.build_model(), args=args, train_dataset=task.train_dataset,
+                      data_collator=task.collate_fn)
+    trainer.train()
+    report = trainer.accelerator.precision_report()
+    assert report.ok and report.details["float8_in_forward"] == ["float8_e4m3fn"]
+    assert "7 of 9 Linear layers in float8" in report.details["summary"]

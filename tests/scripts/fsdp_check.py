@@ -120,6 +120,7 @@ def main():
         torch.distributed.all_gather_object(digests, digest)
     else:
         digests = [digest]
+    report = acc.precision_report()
     acc.save_model(model, out, max_shard_size="10GB")
     if acc.is_main_process:
         os.replace(out / "model.safetensors", out / "final.safetensors")
@@ -136,6 +137,7 @@ def main():
             "overflow_events": events,
             "state_keys": sorted({k for s in inner.state.values() for k in s}),
             "state_sharded": all(hasattr(t, "to_local") for t in state),
+            "precision_ok": report.ok, "precision_details": report.details,
             "scales": scales, "skipped": skipped, "losses": losses, "ranks_identical": len(set(digests)) == 1, "step": step}))
     acc.end_training()
 
