@@ -17,7 +17,8 @@ from typing import Any
 
 from mixprec.diagnostics.limits import FORMAT_LIMITS
 
-__all__ = ["plot_loss_curves", "plot_loss_scale", "plot_gradient_histogram", "plot_layer_underflow", "plot_bench_result"]
+__all__ = ["plot_loss_curves", "plot_loss_scale", "plot_gradient_histogram", "plot_layer_underflow", "plot_bench_result",
+           "plot_float8_errors", "plot_float8_histogram"]
 
 
 def _figure(figsize: tuple[float, float], panels: int = 1) -> tuple[Any, Any]:
@@ -194,6 +195,56 @@ def plot_layer_underflow(layers: list[dict[str, Any]], path: str | Path, *, scal
     ax.set_xlim(0, max(0.01, top * 1.3))
     return _save(fig, ax, path, title=title, xlabel="fraction of the layer's gradient values flushed to zero (worst step)",
                  ylabel="layer (module path)", legend={"loc": "lower right", "fontsize": 8}, grid={"axis": "x"})
+
+
+def plot_float8_errors(layers: dict[str, dict[str, Any]], recipes: Sequence[str], recommendation: dict[str, Any],
+                       path: str | Path, *, title: str) -> Path:
+    """Per Linear layer, the relative error of its output in fp8 against bf16 under each recipe
+    (log scale), the layers the recommendation keeps in bf16 marked, and the threshold it used."""
+    names = [n for n, row in layers.items() if all(r in row for r in recipes)]
+    fig, ax = _figure((max(7.0, 0.5 * len(names) + 3), 4.8))
+    width = 0.8 / max(len(recipes), 1)
+    colors = ["tab:blue", "tab:orange", "tab:green"]
+    for k, r in enumerate(recipes):
+        ax.bar([i + (k - (len(recipes) - 1) / 2) * width for i in range(len(names))],
+               [max(layers[n][r]["output_error"], 1e-6) for n in names], width, color=colors[k % 3], label=r)
+    median = recommendation["median_output_error"].get(recommendation["recipe"], 0.0)
+    keep = recommendation["keep_in_bf16"]
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(names)), [n + (" (bf16)" if n in keep else "") for n in names], rotation=60,
+                  ha="right", fontsize=7)
+    for i, n in enumerate(names):
+        if n in keep:
+            ax.axvspan(i - 0.45, i + 0.45, color="0.9", zorder=0)
+    if median > 0:
+        ax.axhline(median, color="0.3", linestyle=":", label=f"median layer ({recommendation['recipe']})")
+    return _save(fig, ax, path, title=title, xlabel="Linear layer (shaded: kept in bf16 by the recommendation)",
+                 ylabel="relative error of the output, fp8 vs bf16", legend={"fontsize": 8}, grid={"axis": "y"})
+
+
+def plot_float8_histogram(x: Any, path: str | Path, *, recipe: str, title: str) -> Path:
+    """``log2|x|`` of one layer's input before and after torchao's scaling (per tensor for
+    tensorwise, per row otherwise), over e4m3's number line: the largest value, the smallest
+    normal and subnormal ones marked; what lands left of the subnormals is flushed to zero."""
+    import torch
+
+    from mixprec.precision.fp8 import quantise_float8
+
+    flat = x.reshape(-1, x.shape[-1]).float()
+    _, scale = quantise_float8(flat, torch.float8_e4m3fn, dim=None if recipe == "tensorwise" else -1,
+                               power_of_2=recipe != "tensorwise")
+    scaled = (flat * scale).flatten()
+    fig, ax = _figure((9, 4.5))
+    for values, color, label in ((flat.flatten(), "0.6", "the input (bf16)"),
+                                 (scaled, "tab:blue", f"after {recipe} scaling")):
+        nz = values[values != 0].abs()
+        if nz.numel():
+            ax.hist(torch.log2(nz).clamp(-40, 40).numpy(), bins=120, color=color, alpha=0.6, label=label)
+    for v, style, what in ((448.0, "-", "e4m3 max 448"), (2.0 ** -6, "--", "smallest normal 2^-6"),
+                           (2.0 ** -9, ":", "smallest subnormal 2^-9")):
+        ax.axvline(math.log2(v), color="tab:red", linestyle=style, label=what)
+    ax.set_yscale("log")
+    return _save(fig, ax, path, title=title, xlabel="log2 |value|", ylabel="values", legend={"fontsize": 8})
 
 
 _BLUE, _ORANGE, _GREEN = "#4c72b0", "#dd8452", "#55a868"

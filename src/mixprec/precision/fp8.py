@@ -27,7 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mixprec.precision.config import FP8_RECIPES
 from mixprec.precision.mixed import MixedPrecision
 
-__all__ = ["FP8_RECIPES", "Float8Precision", "float8_layer_choice", "torchao_float8"]
+__all__ = ["FP8_RECIPES", "Float8Precision", "float8_casts", "float8_layer_choice", "load_fp8_filter",
+           "quantise_float8", "torchao_float8"]
 
 _FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2}
 
@@ -82,6 +83,59 @@ def float8_layer_choice(model: torch.nn.Module,
         else:
             choice[name] = None
     return choice
+
+
+def load_fp8_filter(path: str | Any) -> dict[str, Any]:
+    """The fp8 settings ``mixprec doctor --precision fp8 --write-filter FILE`` wrote, as
+    :class:`~mixprec.precision.PrecisionConfig` fields: ``PrecisionConfig(**load_fp8_filter(FILE))``
+    (``fp8_recipe``, and ``fp8_filter``: the Linear layers kept in bf16)."""
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("fp8_filter"), list):
+        raise ValueError(f"{path} is not an fp8 filter (a JSON object with 'fp8_filter', a list of layer names, "
+                         "as `mixprec doctor --precision fp8 --write-filter` writes)")
+    return {"fp8_recipe": data.get("fp8_recipe", "tensorwise"), "fp8_filter": tuple(data["fp8_filter"])}
+
+
+def quantise_float8(x: torch.Tensor, dtype: torch.dtype, *, dim: int | None = None,
+                    power_of_2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as torchao's float8 training casts it: the scale ``finfo(dtype).max / amax`` (per
+    tensor, or per slice along ``dim`` for the rowwise recipes; rounded down to a power of 2 when
+    ``power_of_2``), then ``x * scale`` saturated to the format. Returns ``(bits, scale)``:
+    ``bits.float() / scale`` is what the matrix product sees.
+
+    Example:
+        >>> bits, scale = quantise_float8(torch.tensor([1.0, -3.0, 1e-6]), torch.float8_e4m3fn)
+        >>> bits.float().tolist(), round(float(scale), 3)
+        ([144.0, -448.0, 0.0], 149.333)
+    """
+    with torch.no_grad():
+        amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+        scale = (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=1e-12)).to(torch.float32)
+        if power_of_2:
+            scale = torch.exp2(torch.floor(torch.log2(scale)))
+        limit = torch.finfo(dtype).max
+        bits = (x.to(torch.float32) * scale).clamp(-limit, limit).to(dtype)
+    return bits, scale
+
+
+def float8_casts(config: Any) -> dict[str, dict[str, Any]]:
+    """The casts a float8 ``Linear`` makes under torchao's ``Float8LinearConfig``, by role, as
+    keyword arguments of :func:`quantise_float8` (``None`` where the recipe leaves it in high
+    precision): ``input`` and ``weight`` (forward, ``y = x @ W^T``; ``weight`` is W's transpose as
+    torchao casts it), ``grad_output`` (for the input's gradient)."""
+    roles = {"input": (config.cast_config_input, -1), "weight": (config.cast_config_weight, 0),
+             "grad_output": (config.cast_config_grad_output, -1)}
+    out: dict[str, dict[str, Any]] = {}
+    for role, (cast, axis) in roles.items():
+        if cast.scaling_type.value == "disabled":
+            out[role] = None
+            continue
+        out[role] = {"dtype": cast.target_dtype, "dim": axis if cast.scaling_granularity.value == "axiswise" else None,
+                     "power_of_2": bool(config.round_scales_to_power_of_2)}
+    return out
 
 
 class Float8Precision(MixedPrecision):
