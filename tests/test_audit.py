@@ -93,7 +93,7 @@ def test_a_loss_scaler_that_load_state_did_not_restore_is_caught(tmp_path, monke
 
 def test_the_contract_names_its_inputs():
     with pytest.raises(ValueError, match="known: fp32"):
-        expected_dtypes("fp8", "ddp")
+        expected_dtypes("fp12", "ddp")
     with pytest.raises(ValueError, match="'single', 'ddp' or 'fsdp'"):
         expected_dtypes("fp32", "tp")
     assert expected_dtypes("bf16-mixed", "fsdp")["forward"] == torch.bfloat16

@@ -122,13 +122,13 @@ def test_speedup_is_the_median_of_the_per_round_ratios_and_drift_is_said_in_the_
 
 
 def test_bad_precision_name_is_an_error_that_lists_the_valid_names(capsys):
-    assert main(["bench", "--precisions", "fp32,fp8", "--out", "/nonexistent/never-written"]) == 2
+    assert main(["bench", "--precisions", "fp32,fp12", "--out", "/nonexistent/never-written"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mixprec bench: error: ")
-    assert "fp8" in err and "Valid names" in err and "bf16-mixed" in err
+    assert "fp12" in err and "Valid names" in err and "bf16-mixed" in err
     assert "Traceback" not in err
     with pytest.raises(ValueError, match="Valid names"):
-        BenchConfig(precisions=("fp8",))
+        BenchConfig(precisions=("fp12",))
 
 
 def test_compare_with_an_unknown_name_is_an_error_listing_all_four(capsys):

@@ -22,7 +22,7 @@ def test_env_json_is_valid_and_complete(capsys):
     report = json.loads(capsys.readouterr().out)
     cpu = report["devices"][0]
     assert cpu["device"] == "cpu"
-    assert set(cpu["support"]) == {"fp32", "fp16-mixed", "bf16-mixed", "bf16-true"}
+    assert set(cpu["support"]) == {"fp32", "fp16-mixed", "bf16-mixed", "bf16-true", "fp8"}
     assert report["auto"]["precision"] in {"fp32", "fp16-mixed", "bf16-mixed"}
 
 

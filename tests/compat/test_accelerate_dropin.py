@@ -60,10 +60,10 @@ def test_autocast_handler_turns_autocast_off_inside_the_block():
 def test_wrong_or_repeated_or_fp8_handlers_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="You can only pass one GradScalerKwargs"):
         Accelerator(cpu=True, kwargs_handlers=[GradScalerKwargs(), au.GradScalerKwargs()])
-    with pytest.raises(ValueError, match="it takes AutocastKwargs, DistributedDataParallelKwargs"):
+    with pytest.raises(ValueError, match="it takes AORecipeKwargs, AutocastKwargs, DistributedDataParallelKwargs"):
         Accelerator(cpu=True, kwargs_handlers=[object()])
-    with pytest.raises(NotImplementedError, match="fp8 training is not in mixprec yet"):
-        Accelerator(cpu=True, kwargs_handlers=[type("AORecipeKwargs", (), {})()])  # Accelerate's needs torchao
+    with pytest.raises(NotImplementedError, match="not TransformerEngine or MS-AMP; pass AORecipeKwargs"):
+        Accelerator(cpu=True, kwargs_handlers=[type("TERecipeKwargs", (), {})()])
     with pytest.raises(ValueError, match="power_sgd"):
         Accelerator(cpu=True, kwargs_handlers=[
             au.DistributedDataParallelKwargs(comm_hook=au.DDPCommunicationHookType.POWER_SGD)])

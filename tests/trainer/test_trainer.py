@@ -235,7 +235,7 @@ def test_early_stopping_stops(tmp_path):
     (dict(load_best_model_at_end=True, eval_strategy="no"), "needs evaluation"),
     (dict(eval_strategy="sometimes"), "eval_strategy='sometimes' is not valid; choose one of"),
     (dict(optim="lion"), "optim='lion'"),
-    (dict(precision="fp8"), "Valid names"),
+    (dict(precision="fp12"), "Valid names"),
     (dict(precision="bf16", fp16=True), "contradicts"),
     (dict(per_device_train_batch_size=0), "per_device_train_batch_size must be"),
     (dict(warmup_ratio=1.5), "warmup_ratio"),
