@@ -104,12 +104,13 @@ class _Regressor(torch.nn.Module):
         return {"loss": F.mse_loss(out, labels), "logits": out}
 
 
-def trainer_run(trainer_cls: type, args_cls: type, out: str) -> tuple[list[dict], dict, object]:
+def trainer_run(trainer_cls: type, args_cls: type, out: str, **more) -> tuple[list[dict], dict, object]:
     model = _Regressor()
-    args = args_cls(output_dir=out, num_train_epochs=2, per_device_train_batch_size=4, learning_rate=1e-2,
+    settings = dict(output_dir=out, num_train_epochs=2, per_device_train_batch_size=4, learning_rate=1e-2,
                     gradient_accumulation_steps=2, max_grad_norm=1.0, warmup_steps=2, weight_decay=0.01,
                     logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=3,
                     eval_strategy="epoch", per_device_eval_batch_size=8, train_sampling_strategy="sequential")
+    args = args_cls(**{**settings, **more})
     trainer = trainer_cls(model=model, args=args, train_dataset=_Rows(), eval_dataset=_Rows())
     result = trainer.train()
     return trainer.state.log_history, {k: v.clone() for k, v in model.state_dict().items()}, result
@@ -126,7 +127,74 @@ def test_a_trainer_run_ends_with_transformers_weights_and_logs_its_gradient_norm
     assert all(torch.equal(their_weights[k], our_weights[k]) for k in their_weights)
     assert (our_result.global_step, our_result.training_loss) == (their_result.global_step, their_result.training_loss)
     assert column(ours, "grad_norm") == column(theirs, "grad_norm") and column(ours, "epoch") == column(theirs, "epoch")
+    assert column(ours, "learning_rate") == column(theirs, "learning_rate")  # the rate each step used
     # mixprec logs the loss to 6 significant digits; the evaluation loss is averaged in another order.
     for key, tolerance in (("loss", 1e-5), ("eval_loss", 1e-6)):
         assert [s for s, _ in column(ours, key)] == [s for s, _ in column(theirs, key)]
         assert all(math.isclose(a, b, rel_tol=tolerance) for (_, a), (_, b) in zip(column(ours, key), column(theirs, key)))
+
+
+
+SCHEDULES = [("linear", None), ("cosine", None), ("cosine_with_restarts", {"num_cycles": 2}),
+             ("polynomial", {"power": 2.0, "lr_end": 1e-4}), ("constant", None), ("constant_with_warmup", None),
+             ("inverse_sqrt", None), ("reduce_lr_on_plateau", {"mode": "max", "patience": 0, "factor": 0.5}),
+             ("cosine_with_min_lr", {"min_lr_rate": 0.1}), ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1}),
+             ("warmup_stable_decay", {"num_decay_steps": 3}), ("greedy", None)]
+
+
+@pytest.mark.parametrize("schedule,kwargs", SCHEDULES, ids=[s for s, _ in SCHEDULES])
+def test_every_schedule_gives_transformers_learning_rate_and_weights_step_for_step(schedule, kwargs, tmp_path,
+                                                                                     one_thread):
+    """Every ``lr_scheduler_type`` with its ``lr_scheduler_kwargs``: the logged learning rate (the
+    one each step used), the loss and the weights are transformers', step for step (the
+    metric-driven ones step with the evaluation loss, evaluated every 2 steps)."""
+    more = dict(lr_scheduler_type=schedule, lr_scheduler_kwargs=kwargs or {}, num_train_epochs=3,
+                eval_strategy="steps", eval_steps=2, gradient_accumulation_steps=1)
+    theirs, their_weights, _ = trainer_run(transformers.Trainer, transformers.TrainingArguments,
+                                           str(tmp_path / "hf"), **more)
+    ours, our_weights, _ = trainer_run(mixprec.Trainer, mixprec.TrainingArguments, str(tmp_path / "mp"), **more)
+
+    def column(history: list[dict], key: str) -> list[tuple[int, float]]:
+        return [(row["step"], row[key]) for row in history if key in row]
+
+    rates = column(ours, "learning_rate")
+    assert len(rates) == 30 and rates == column(theirs, "learning_rate")
+    assert len({lr for _, lr in rates}) >= {"constant": 1, "constant_with_warmup": 2, "greedy": 2}.get(schedule, 3)
+    for k in their_weights:
+        torch.testing.assert_close(our_weights[k], their_weights[k], rtol=1e-5, atol=1e-6)
+
+
+
+OPTIMIZERS = ["adamw_torch", "adamw_torch_fused", "adafactor", "adamw_torch_4bit", "adamw_torch_8bit", "sgd", "adagrad",
+              "rmsprop", "schedule_free_adamw", "schedule_free_radam", "schedule_free_sgd"]
+
+
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+def test_every_installed_optimizer_gives_transformers_weights_and_logs(optim, tmp_path, one_thread):
+    """Every ``optim`` name whose optimizer is installed here, in transformers' parameter groups
+    (weight decay on all but biases and norms): the same weights and logs as transformers'
+    Trainer (schedule-free ones switched to eval mode for each evaluation, as transformers does)."""
+    if optim.startswith("schedule_free"):
+        pytest.importorskip("schedulefree")
+    if optim.endswith("bit"):
+        pytest.importorskip("torchao.optim")
+    more = dict(optim=optim, num_train_epochs=1)
+    theirs, their_weights, _ = trainer_run(transformers.Trainer, transformers.TrainingArguments,
+                                           str(tmp_path / "hf"), **more)
+    ours, our_weights, _ = trainer_run(mixprec.Trainer, mixprec.TrainingArguments, str(tmp_path / "mp"), **more)
+    for key in ("learning_rate", "grad_norm", "eval_loss"):
+        assert [r.get(key) for r in ours if key in r] == pytest.approx([r.get(key) for r in theirs if key in r],
+                                                                        rel=1e-5), key
+    for k in their_weights:
+        torch.testing.assert_close(our_weights[k], their_weights[k], rtol=1e-5, atol=1e-6)
+
+
+def test_optim_args_reach_the_optimizer_as_transformers_parses_them(tmp_path, one_thread):
+    more = dict(optim="sgd", optim_args="momentum=0.9,nesterov=True", num_train_epochs=1)
+    _, their_weights, _ = trainer_run(transformers.Trainer, transformers.TrainingArguments, str(tmp_path / "hf"), **more)
+    _, our_weights, _ = trainer_run(mixprec.Trainer, mixprec.TrainingArguments, str(tmp_path / "mp"), **more)
+    _, plain, _ = trainer_run(mixprec.Trainer, mixprec.TrainingArguments, str(tmp_path / "plain"), optim="sgd",
+                              num_train_epochs=1)
+    for k in their_weights:
+        torch.testing.assert_close(our_weights[k], their_weights[k], rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(plain[k], our_weights[k]) for k in plain)  # the arguments changed the run

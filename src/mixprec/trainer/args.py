@@ -17,12 +17,12 @@ import torch
 from mixprec.distributed.fsdp import FullyShardedDataParallelPlugin
 from mixprec.hardware import default_device
 from mixprec.precision import PrecisionConfig, canonical_precision
+from mixprec.trainer.schedules import METRIC_DRIVEN, SCHEDULER_TYPES, optimizer_names
 
 __all__ = ["TrainingArguments"]
 
 _STRATEGIES = ("no", "steps", "epoch")
-_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
-_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+
 _REPORTERS = ("none", "jsonl", "tensorboard", "all")
 _SAMPLING = ("random", "sequential")
 
@@ -43,9 +43,7 @@ _UNSUPPORTED = {
     "trackio_bucket_id": "trackio is not integrated", "trackio_static_space_id": "trackio is not integrated",
     "torch_compile_backend": "torch_compile=True uses torch.compile's default backend",
     "torch_compile_mode": "torch_compile=True uses torch.compile's default mode",
-    "optim_args": "optim takes no extra arguments; pass optimizers=(optimizer, scheduler) to Trainer",
     "optim_target_modules": "optimizers such as GaLore are not integrated",
-    "lr_scheduler_kwargs": "pass optimizers=(optimizer, scheduler) to Trainer for a custom schedule",
     "label_smoothing_factor": "compute the smoothed loss in the model or with compute_loss_func",
     "tf32": "set torch.backends.cuda.matmul.allow_tf32 yourself; mixprec's precision names say what runs",
     "auto_find_batch_size": "mixprec does not retry on out-of-memory errors",
@@ -303,7 +301,7 @@ class TrainingArguments:
                                              or self.eval_strategy == "no"):
             raise ValueError("save_strategy='best' saves when an evaluation finds a new best metric_for_best_model: "
                              "set metric_for_best_model (e.g. 'loss') and eval_strategy to 'steps' or 'epoch'")
-        _one_of("optim", self.optim, _OPTIMIZERS)
+        _one_of("optim", self.optim, optimizer_names())
         _one_of("train_sampling_strategy", self.train_sampling_strategy, _SAMPLING)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
         _one_of("on_save_error", self.on_save_error, ("raise", "warn"))
@@ -312,7 +310,12 @@ class TrainingArguments:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0 (0 switches it off), got {v!r}")
-        _one_of("lr_scheduler_type", self.lr_scheduler_type, _SCHEDULERS)
+        _one_of("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_TYPES)
+        if isinstance(self.lr_scheduler_kwargs, str):  # transformers takes a JSON string too
+            self.lr_scheduler_kwargs = json.loads(self.lr_scheduler_kwargs)
+        if self.lr_scheduler_type in METRIC_DRIVEN and self.eval_strategy == "no":
+            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r} steps with the evaluation metric: "
+                             "set eval_strategy ('steps' or 'epoch') so there is one")
         if not isinstance(self.report_to, str):
             self.report_to = [_plain(r) for r in self.report_to]
         reporters = [self.report_to] if isinstance(self.report_to, str) else self.report_to

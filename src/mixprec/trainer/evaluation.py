@@ -69,6 +69,8 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
     acc, model = trainer.accelerator, trainer.model_wrapped
     was_training = model.training
     model.eval()
+    if callable(getattr(trainer.optimizer, "eval", None)):  # schedule-free: evaluate at the averaged weights
+        trainer.optimizer.eval()
     losses, preds, labels = [], [], []
     batch_result: dict[str, float] | None = None
     start, n = time.time(), 0

@@ -60,7 +60,7 @@ from mixprec.trainer.reporters import (
     trim_logs_after,
     write_metrics,
 )
-from mixprec.trainer.schedules import build_optimizer, get_scheduler
+from mixprec.trainer.schedules import build_optimizer, decay_parameter_names, get_scheduler
 from mixprec.trainer.trainer_state import TrainerControl, TrainerState, export_states
 
 __all__ = ["Trainer", "TrainOutput", "EvalPrediction", "PredictionOutput", "set_seed"]
@@ -255,11 +255,40 @@ class Trainer:
             self.optimizer = build_optimizer(self.args, self.model, self.optimizer_cls_and_kwargs)
         return self.optimizer
 
+    def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
+        """The parameters weight decay applies to (Hugging Face's rule: not biases, not norms)."""
+        return decay_parameter_names(model)
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = None) -> tuple[Any, dict[str, Any]]:
+        """The optimizer class and keyword arguments ``args.optim`` and ``args.optim_args`` name
+        (transformers' own mapping; it needs transformers installed)."""
+        from transformers import Trainer as HFTrainer
+
+        return HFTrainer.get_optimizer_cls_and_kwargs(args, model)
+
+    def get_learning_rates(self) -> list[float]:
+        """The learning rate of each of the optimizer's parameter groups."""
+        if self.optimizer is None:
+            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_optimizer_group(self, param: Any = None) -> Any:
+        """The parameter group holding ``param``, or every group's parameters without one."""
+        if self.optimizer is None:
+            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
+        if param is not None:
+            for group in self.optimizer.param_groups:
+                if any(param is p for p in group["params"]):
+                    return group
+        return [group["params"] for group in self.optimizer.param_groups]
+
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """The ``lr_scheduler_type`` schedule over ``num_training_steps``; sets and returns ``self.lr_scheduler``."""
         if self.lr_scheduler is None:
             self.lr_scheduler = get_scheduler(self.args.lr_scheduler_type, optimizer or self.optimizer,
-                                              self.args.warmup_for(num_training_steps), num_training_steps)
+                                              self.args.warmup_for(num_training_steps), num_training_steps,
+                                              scheduler_specific_kwargs=self.args.lr_scheduler_kwargs)
             self._created_lr_scheduler = True  # made here: the next train() makes a fresh one (as in HF)
         return self.lr_scheduler
 
@@ -392,6 +421,7 @@ class Trainer:
         self._done = {"log": -1, "evaluate": -1, "save": -1}
         self._precision_reported = False  # the run's first log says what precision is really in force
         self._grad_norm = None
+        self._learning_rate = 0.0  # the rate the last optimizer step used (logged)
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # listed once, not per step
         start_time = time.time()
         self.callback_handler.train_dataloader = train_dl
@@ -459,7 +489,9 @@ class Trainer:
         self._event("on_pre_optimizer_step")
         self.optimizer.step()
         self._event("on_optimizer_step")
-        self.lr_scheduler.step()
+        self._learning_rate = self._get_learning_rate()  # the rate this step used: the one logged
+        if not self._metric_driven_schedule():  # those step with the evaluation metric (_evaluate_in_training)
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
         self._steps_since_log += 1
@@ -503,6 +535,8 @@ class Trainer:
         """Forward, loss, backward (scaled where the policy needs it); returns the detached loss."""
         if not model.training:  # train() walks every module: not on every step
             model.train()
+        if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers have modes, as HF calls them
+            self.optimizer.train()
         loss = self.compute_loss(model, inputs)
         self.accelerator.backward(loss)
         return loss.detach().float()
@@ -528,6 +562,29 @@ class Trainer:
                 "loss, or override Trainer.compute_loss")
         return (loss, outputs) if return_outputs else loss
 
+    # -- the learning rate ------------------------------------------------------------------
+    def _metric_driven_schedule(self) -> bool:
+        """Whether the schedule steps with the evaluation metric (``ReduceLROnPlateau``, the greedy
+        schedule), as Hugging Face's Trainer steps them: at each evaluation, never after a step."""
+        inner = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
+        return isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau) or type(inner).__name__ == "GreedyLR"
+
+    def _metric_for_schedule(self, metrics: dict[str, float]) -> float:
+        key = self.args.metric_for_best_model or "loss"
+        key = key if key.startswith("eval_") else f"eval_{key}"
+        if key not in metrics:
+            raise KeyError(f"the schedule steps with metric_for_best_model {key!r}, which the evaluation did not "
+                           f"return; it returned {sorted(metrics)}")
+        return metrics[key]
+
+    def _get_learning_rate(self) -> float:
+        """The learning rate of the first parameter group now (Hugging Face's ``_get_learning_rate``)."""
+        if self._metric_driven_schedule():
+            lr = self.optimizer.param_groups[0]["lr"]
+        else:
+            lr = self.lr_scheduler.get_last_lr()[0]
+        return float(lr.item() if torch.is_tensor(lr) else lr)
+
     # -- log / evaluate / save ------------------------------------------------------------
     def _maybe_log_save_evaluate(self, model: torch.nn.Module) -> None:
         """Log, evaluate and save as the control says (the DefaultFlowCallback decides, Hugging Face's way)."""
@@ -538,6 +595,8 @@ class Trainer:
         if c.should_evaluate and self._done["evaluate"] != s.global_step and self.eval_dataset is not None:
             metrics = self.evaluate(ignore_keys=getattr(self, "_ignore_keys_for_eval", None))
             self._done["evaluate"] = s.global_step
+            if self._metric_driven_schedule():
+                self.lr_scheduler.step(self._metric_for_schedule(metrics))
         improved = self._track_best(metrics) if metrics is not None else False
         if metrics is not None and self.args.save_strategy == "best":
             c.should_save = improved
@@ -557,7 +616,7 @@ class Trainer:
         logs: dict[str, Any] = {"loss": round(loss, 6)}
         if self._grad_norm is not None:
             logs["grad_norm"] = float(self._grad_norm)
-        logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+        logs["learning_rate"] = self._learning_rate
         logs.update(self._read_scaler_into_state())
         if "skipped_steps" in logs:  # a precision that checks for inf/NaN: which steps it skipped
             logs["skipped_steps_at"] = self._skips.take()
