@@ -278,7 +278,9 @@ class TrainingArguments:
         """
         if self.output_dir is None:
             self.output_dir = "trainer_output"
-        self.output_dir = os.fspath(self.output_dir)
+        self.output_dir = os.path.expanduser(os.fspath(self.output_dir))  # "~/runs" as transformers expands it
+        if self.use_cpu:  # as transformers: no pinned memory without a device to copy to
+            self.dataloader_pin_memory = False
         for name in ("eval_strategy", "save_strategy", "logging_strategy", "optim", "lr_scheduler_type",
                      "hub_strategy", "train_sampling_strategy"):
             setattr(self, name, _plain(getattr(self, name)))
@@ -318,6 +320,11 @@ class TrainingArguments:
                              "set eval_strategy ('steps' or 'epoch') so there is one")
         if not isinstance(self.report_to, str):
             self.report_to = [_plain(r) for r in self.report_to]
+        if self.report_to in ("none", ["none"]):  # transformers' normalisation: no reporter is []
+            self.report_to = []
+        if self.dataloader_prefetch_factor is not None and not self.dataloader_num_workers:
+            raise ValueError("dataloader_prefetch_factor can only be set when data is loaded in other processes: set "
+                             "dataloader_num_workers > 0, or leave dataloader_prefetch_factor unset")
         reporters = [self.report_to] if isinstance(self.report_to, str) else self.report_to
         for r in reporters:
             _one_of("report_to", r, _REPORTERS)
