@@ -744,6 +744,54 @@ class Trainer:
         self._event("on_evaluate", metrics=out.metrics)
         return out.metrics
 
+    # -- Hugging Face's helpers ---------------------------------------------------------------
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
+        """A no-op context, as in transformers: the prepared model's forward runs in the precision itself."""
+        return contextlib.nullcontext()
+
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        """The contexts :meth:`compute_loss` runs in (none here: the precision is the prepared model's)."""
+        stack = contextlib.ExitStack()
+        ctx = self.autocast_smart_context_manager()
+        if not isinstance(ctx, contextlib.nullcontext):
+            stack.enter_context(ctx)
+        return stack
+
+    def num_examples(self, dataloader: Any) -> int:
+        """Samples in ``dataloader``'s dataset; estimated from its length where the dataset has none."""
+        try:
+            return len(dataloader.dataset)
+        except (NameError, AttributeError, TypeError):
+            return len(dataloader) * self.args.per_device_train_batch_size
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """Forward+backward FLOPs of one batch as transformers estimates them (6 x tokens x
+        non-embedding parameters) for a model that counts its parameters; 0 otherwise."""
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if isinstance(inputs, dict) and main in inputs and hasattr(self.model, "num_parameters"):
+            return 6 * inputs[main].numel() * self.model.num_parameters(exclude_embeddings=True)
+        return 0
+
+    def get_tp_size(self) -> int:
+        """Tensor-parallel size: 1 (mixprec shards data, not layers)."""
+        return 1
+
+    def get_cp_size(self) -> int:
+        """Context-parallel size: 1."""
+        return 1
+
+    def get_sp_size(self) -> int:
+        """Sequence-parallel size: 1."""
+        return 1
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Samples per optimizer step over all processes: per-device batch x accumulation x processes."""
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+
+    def end(self) -> None:
+        """Finish the trackers and the process group; call it once, at the very end of the script."""
+        self.accelerator.end_training()
+
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (numpy), labels (where present) and metrics on ``test_dataset``."""
