@@ -39,3 +39,14 @@ def test_the_helpers_give_transformers_answers(tmp_path):
     with ours.compute_loss_context_manager():
         pass
     ours.end()
+
+
+def test_total_flos_is_counted_logged_and_returned_as_transformers_does(tmp_path):
+    runs = []
+    for trainer in _pair(tmp_path):
+        trainer.args.max_steps, trainer.args.logging_steps, trainer.args.save_strategy = 2, 1, "no"
+        out = trainer.train()
+        runs.append((sorted(out.metrics), [r["total_flos"] for r in trainer.state.log_history if "total_flos" in r],
+                     type(trainer.state.total_flos)))
+    assert runs[0] == runs[1]
+    assert runs[1][1][0] > 0 and runs[1][2] is float

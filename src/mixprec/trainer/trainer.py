@@ -107,6 +107,9 @@ class Trainer:
     (``mixprec.distributed.preemption.PREEMPTED_EXIT_CODE``); ``resume_from_checkpoint=True`` continues bit for bit.
     """
 
+    #: FLOPs counted since the last :meth:`store_flos` (transformers' estimate; 0 for a model without one).
+    current_flos: float = 0.0
+
     _preemption: Preemption | None = None
     _preempted_at: int | None = None
 
@@ -472,6 +475,7 @@ class Trainer:
                 self._log_drift(model, batch)
         loss = self.training_step(model, batch) / args.gradient_accumulation_steps
         self._step_batches.append((epoch, train_dl.batches_yielded - 1, batch))
+        self.current_flos += float(self.floating_point_ops(batch))
         if args.logging_nan_inf_filter:
             # Hugging Face's filter: a non-finite loss counts as the mean of those since the last
             # log. On the device (torch.where), so the filter costs no host sync.
@@ -590,6 +594,7 @@ class Trainer:
         """Log, evaluate and save as the control says (the DefaultFlowCallback decides, Hugging Face's way)."""
         s, c = self.state, self.control
         if c.should_log and self._done["log"] != s.global_step and self._steps_since_log:
+            self.store_flos()
             self._log_training()
         metrics = None
         if c.should_evaluate and self._done["evaluate"] != s.global_step and self.eval_dataset is not None:
@@ -677,6 +682,7 @@ class Trainer:
             self.state.best_model_checkpoint = str(path)
             self.state.best_global_step = self.state.global_step
         self._read_scaler_into_state()
+        self.store_flos()
         self.state.loss_since_log = float(self._loss_since_log)
         self.state.steps_since_log = self._steps_since_log
         self.state.skipped_steps_since_log = self._skips.steps()
@@ -708,8 +714,13 @@ class Trainer:
                                                      * self.accelerator.num_processes / max(runtime, 1e-9), 3),
                    "train_steps_per_second": round(s.global_step / max(runtime, 1e-9), 3),
                    "train_loss": s.total_loss / max(1, s.global_step)}
+        self.store_flos()
+        metrics["total_flos"] = float(s.total_flos)
         if self._preempted_at is None:  # a preempted run's summary would be logged past its checkpoint
             self.log(metrics)
+        # What transformers returns (with its default progress bar): the logged summary and the epoch.
+        if s.epoch is not None:
+            metrics["epoch"] = s.epoch
         self._event("on_train_end")
         return TrainOutput(s.global_step, metrics["train_loss"], metrics)
 
@@ -771,6 +782,15 @@ class Trainer:
         if isinstance(inputs, dict) and main in inputs and hasattr(self.model, "num_parameters"):
             return 6 * inputs[main].numel() * self.model.num_parameters(exclude_embeddings=True)
         return 0
+
+    def store_flos(self) -> None:
+        """Add the FLOPs counted since the last call (over all processes) to ``state.total_flos``."""
+        flos = self.current_flos
+        if self.accelerator.num_processes > 1:
+            flos = float(self.accelerator.reduce(torch.tensor(flos, dtype=torch.float64, device=self.accelerator.device),
+                                                 "sum").item())
+        self.state.total_flos = float(self.state.total_flos) + flos
+        self.current_flos = 0.0
 
     def get_tp_size(self) -> int:
         """Tensor-parallel size: 1 (mixprec shards data, not layers)."""
