@@ -41,3 +41,32 @@ def test_what_transformers_refuses_is_refused(kwargs):
         transformers.TrainingArguments(**kwargs)
     with pytest.raises(ValueError):
         mixprec.TrainingArguments(**kwargs)
+
+
+def test_ddp_compile_determinism_and_cache_settings_reach_what_runs(tmp_path):
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = mixprec.TrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, report_to="none", ddp_find_unused_parameters=True,
+            ddp_bucket_cap_mb=5, ddp_static_graph=False, ddp_timeout=60, torch_compile_mode="reduce-overhead",
+            full_determinism=True, torch_empty_cache_steps=1, max_steps=2, disable_tqdm=True, save_strategy="no")
+    theirs = transformers.TrainingArguments(output_dir=str(tmp_path), torch_compile_mode="reduce-overhead")
+    assert (args.torch_compile, args.torch_compile_backend) == (theirs.torch_compile, theirs.torch_compile_backend)
+    try:
+        trainer = mixprec.Trainer(model=torch.nn.Linear(2, 2), args=args)
+        # (static_graph=False is DDP's default: not passed, as Accelerate's handler does)
+        assert trainer.accelerator.preparer.ddp_kwargs == {"find_unused_parameters": True, "bucket_cap_mb": 5}
+        assert trainer.accelerator.compile == {"backend": "inductor", "mode": "reduce-overhead"}
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="tf32 is taken on an Ampere GPU")
+def test_tf32_without_a_gpu_that_has_it_is_refused_as_by_transformers():
+    with pytest.raises(ValueError, match="Ampere"):
+        transformers.TrainingArguments(output_dir="o", tf32=True)
+    with pytest.raises(ValueError, match="Ampere"):
+        mixprec.TrainingArguments(output_dir="o", tf32=True)

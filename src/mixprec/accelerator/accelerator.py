@@ -228,7 +228,9 @@ class Accelerator:
         self._preemption: Preemption | None = None
         device = torch.device("cpu") if cpu else default_device()
         timeout = group.timeout if group is not None and group.timeout is not None else None
-        info = D.init_from_env(device.type, timeout.total_seconds()) if timeout else D.init_from_env(device.type)
+        # A backend named in InitProcessGroupKwargs, but its default "nccl" only where there is CUDA.
+        backend = group.backend if group is not None and (device.type == "cuda" or group.backend != "nccl") else None
+        info = D.init_from_env(device.type, *([timeout.total_seconds()] if timeout else []), backend=backend)
         if device.type == "cuda":
             device = torch.device("cuda", info.local_rank)
             torch.cuda.set_device(device)

@@ -46,7 +46,7 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} must be an integer (torchrun sets it)") from None
 
 
-def init_from_env(device_type: str, timeout_s: float = 600.0) -> ProcessInfo:
+def init_from_env(device_type: str, timeout_s: float = 600.0, backend: str | None = None) -> ProcessInfo:
     """Read torchrun's variables and initialise the process group once if several processes run.
 
     A group this creates stays usable after training (a script may go on with collectives) and is
@@ -56,6 +56,7 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> ProcessInfo:
     Args:
         device_type: ``"cpu"`` uses gloo, ``"cuda"`` uses nccl.
         timeout_s: how long a collective may wait for the others before failing.
+        backend: another backend than the device's (``"gloo"`` on CUDA, say).
     """
     if dist.is_available() and dist.is_initialized():
         return ProcessInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
@@ -69,7 +70,7 @@ def init_from_env(device_type: str, timeout_s: float = 600.0) -> ProcessInfo:
                 f"WORLD_SIZE={world} but {', '.join(missing)} is not set; start the script with "
                 "`torchrun --nproc_per_node N script.py`, which sets them"
             )
-        backend = "nccl" if device_type == "cuda" else "gloo"
+        backend = backend or ("nccl" if device_type == "cuda" else "gloo")
         timeout = datetime.timedelta(seconds=timeout_s)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if attempt is not None:

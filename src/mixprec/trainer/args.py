@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import enum
 import json
 import math
@@ -41,27 +42,19 @@ _UNSUPPORTED = {
     "neftune_noise_alpha": "NEFTune is not implemented",
     "trackio_space_id": "trackio is not integrated; report_to='jsonl' or 'tensorboard'",
     "trackio_bucket_id": "trackio is not integrated", "trackio_static_space_id": "trackio is not integrated",
-    "torch_compile_backend": "torch_compile=True uses torch.compile's default backend",
-    "torch_compile_mode": "torch_compile=True uses torch.compile's default mode",
     "optim_target_modules": "optimizers such as GaLore are not integrated",
     "label_smoothing_factor": "compute the smoothed loss in the model or with compute_loss_func",
-    "tf32": "set torch.backends.cuda.matmul.allow_tf32 yourself; mixprec's precision names say what runs",
     "auto_find_batch_size": "mixprec does not retry on out-of-memory errors",
     "include_num_input_tokens_seen": "input tokens are not counted",
     "save_only_model": "a mixprec checkpoint always holds what a resume needs",
     "save_on_each_node": "the main process writes each checkpoint", "enable_jit_checkpoint": "not implemented",
     "ignore_data_skip": "a resume always continues at the saved batch",
-    "full_determinism": "call torch.use_deterministic_algorithms(True) yourself",
     "eval_do_concat_batches": "predictions are always concatenated",
     "eval_use_gather_object": "predictions are gathered as tensors",
     "include_for_metrics": "compute_metrics receives predictions and labels only",
     "dataloader_in_order": "batches always come in order",
-    "ddp_find_unused_parameters": "not configurable in mixprec's DDP", "ddp_bucket_cap_mb": "not configurable",
-    "ddp_broadcast_buffers": "not configurable", "ddp_static_graph": "not configurable",
-    "ddp_backend": "torchrun's default backend is used", "ddp_timeout": "not configurable",
     "debug": "debug modes (underflow_overflow, tpu_metrics_debug) are not implemented; mixprec's diagnostics_steps "
              "and trace_overflow show where a model overflows",
-    "torch_empty_cache_steps": "not implemented", "skip_memory_metrics": "memory metrics are not collected",
     "local_rank": "torchrun's LOCAL_RANK decides the device",
 }
 
@@ -322,6 +315,18 @@ class TrainingArguments:
             self.report_to = [_plain(r) for r in self.report_to]
         if self.report_to in ("none", ["none"]):  # transformers' normalisation: no reporter is []
             self.report_to = []
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.torch_compile = True  # as transformers: naming a backend or a mode asks for compilation
+            self.torch_compile_backend = self.torch_compile_backend or "inductor"
+        if self.tf32 is not None:
+            import torch
+
+            cuda = torch.cuda.is_available() and not self.use_cpu
+            if self.tf32 and not (cuda and torch.cuda.get_device_capability() >= (8, 0)):
+                raise ValueError("tf32=True needs an Ampere or newer GPU (CUDA compute capability 8.0+); none is "
+                                 "used here: leave tf32 unset")
+            if cuda:  # fp32 matrix products in TF32 (or not), as transformers sets it
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.tf32)
         if self.dataloader_prefetch_factor is not None and not self.dataloader_num_workers:
             raise ValueError("dataloader_prefetch_factor can only be set when data is loaded in other processes: set "
                              "dataloader_num_workers > 0, or leave dataloader_prefetch_factor unset")
@@ -481,6 +486,19 @@ class TrainingArguments:
         if "all" in asked:
             return {"jsonl", "tensorboard"}
         return asked - {"none"}
+
+    def ddp_handlers(self) -> list[Any]:
+        """The ``ddp_*`` settings as the Accelerator's handlers: DDP's ``find_unused_parameters``,
+        ``bucket_cap_mb``, ``broadcast_buffers`` and ``static_graph``, and the process group's
+        ``ddp_backend`` and ``ddp_timeout`` (seconds)."""
+        from mixprec.accelerator.handlers import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+        ddp = {k: v for k, v in (("find_unused_parameters", self.ddp_find_unused_parameters),
+                                 ("bucket_cap_mb", self.ddp_bucket_cap_mb),
+                                 ("broadcast_buffers", self.ddp_broadcast_buffers),
+                                 ("static_graph", self.ddp_static_graph)) if v is not None}
+        group = InitProcessGroupKwargs(backend=self.ddp_backend, timeout=datetime.timedelta(seconds=self.ddp_timeout))
+        return ([DistributedDataParallelKwargs(**ddp)] if ddp else []) + [group]
 
     def warmup_for(self, total_steps: int) -> int:
         """Warm-up steps: ``warmup_steps`` (a fraction of ``total_steps`` below 1) if set, else

@@ -131,7 +131,7 @@ class Trainer:
                                "create_scheduler instead")
         if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
             raise RuntimeError("pass either optimizers=(optimizer, scheduler) or optimizer_cls_and_kwargs, not both")
-        set_seed(self.args.seed)
+        (enable_full_determinism if self.args.full_determinism else set_seed)(self.args.seed)
         self.model_init = model_init
         self._setup_model(model if model is not None else self.call_model_init())
         self.data_collator = data_collator
@@ -161,9 +161,11 @@ class Trainer:
     def _setup_model(self, model: torch.nn.Module) -> None:
         """A fresh Accelerator from ``args``, with ``model`` prepared on it."""
         a = self.args
+        compile_options = {k: v for k, v in (("backend", a.torch_compile_backend), ("mode", a.torch_compile_mode)) if v}
         self.accelerator = Accelerator(
             mixed_precision=a.resolved_precision, gradient_accumulation_steps=a.gradient_accumulation_steps,
-            cpu=a.use_cpu, precision_config=a.precision_config, compile=a.torch_compile,
+            cpu=a.use_cpu, precision_config=a.precision_config,
+            compile=(compile_options or True) if a.torch_compile else False, kwargs_handlers=a.ddp_handlers(),
             # The Trainer resumes mid-epoch from the loader's saved position (it never skips batches itself).
             dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
             fsdp_plugin=a.fsdp_plugin,  # FSDP2 under torchrun when TrainingArguments(fsdp="full_shard")
@@ -365,7 +367,7 @@ class Trainer:
         args = self.args
         args.validate()  # fields may have been assigned since the Trainer was made
         if self.model_init is not None:  # every run starts from a fresh model, as in Hugging Face
-            set_seed(args.seed)
+            (enable_full_determinism if args.full_determinism else set_seed)(args.seed)
             self._setup_model(self.call_model_init())
             self.optimizer = self.lr_scheduler = None
         acc = self.accelerator
@@ -498,6 +500,8 @@ class Trainer:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
+        if args.torch_empty_cache_steps and self.state.global_step % args.torch_empty_cache_steps == 0:
+            _empty_device_cache(acc.device)
         self._steps_since_log += 1
         self._note_skip(train_dl)
         self.state.epoch = epoch + (train_dl.batches_yielded / self._batches_per_epoch if self._batches_per_epoch else 0)
@@ -867,3 +871,23 @@ class Trainer:
     def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """``metrics`` made readable (runtimes as h:mm:ss, floats to 4 digits)."""
         return format_metrics(metrics)
+
+
+def _empty_device_cache(device: torch.device) -> None:
+    """Give the device's cached, unused memory back (``torch_empty_cache_steps``); the CPU has none."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "mps":  # pragma: no cover - no Apple hardware in CI
+        torch.mps.empty_cache()
+
+
+def enable_full_determinism(seed: int) -> None:
+    """``set_seed`` and deterministic kernels (``full_determinism``), as transformers'
+    ``enable_full_determinism``: torch's deterministic algorithms, cuDNN's deterministic choice and
+    cuBLAS's fixed workspace; slower, and an error for an operator without a deterministic kernel."""
+    set_seed(seed)
+    os.environ["CUDA_LAUNCH_BLOCKING"] = "1"
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
