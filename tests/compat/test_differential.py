@@ -198,3 +198,56 @@ def test_optim_args_reach_the_optimizer_as_transformers_parses_them(tmp_path, on
     for k in their_weights:
         torch.testing.assert_close(our_weights[k], their_weights[k], rtol=1e-5, atol=1e-6)
     assert any(not torch.equal(plain[k], our_weights[k]) for k in plain)  # the arguments changed the run
+
+
+class _Classifier(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
+        self.config = transformers.PretrainedConfig()  # transformers' Trainer reads it with label smoothing
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        logits = self.body(x)
+        return {"logits": logits} if labels is None else {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+class _Classes(_Rows):
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "labels": (self.y[i, 0] > 0).long() + (self.y[i, 0] > 0.5).long()}
+
+
+def _smoothed_run(lib, out: str, model: torch.nn.Module, data) -> tuple[list[dict], dict]:
+    args = lib.TrainingArguments(output_dir=out, num_train_epochs=1, per_device_train_batch_size=4, learning_rate=1e-2,
+                                 label_smoothing_factor=0.1, logging_steps=1, save_strategy="no", report_to="none",
+                                 disable_tqdm=True, use_cpu=True, seed=3, train_sampling_strategy="sequential")
+    trainer = lib.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return [r["loss"] for r in trainer.state.log_history if "loss" in r], model.state_dict()
+
+
+def test_label_smoothing_gives_transformers_losses_and_weights_on_a_classifier(tmp_path, one_thread):
+    theirs = _smoothed_run(transformers, str(tmp_path / "hf"), _Classifier(), _Classes())
+    ours = _smoothed_run(mixprec, str(tmp_path / "mp"), _Classifier(), _Classes())
+    assert ours[0] == pytest.approx(theirs[0], rel=1e-5) and len(ours[0]) >= 4
+    for k in theirs[1]:
+        torch.testing.assert_close(ours[1][k], theirs[1][k], rtol=1e-5, atol=1e-6)
+
+
+def test_label_smoothing_on_a_causal_lm_is_the_mean_over_the_tokens_that_have_a_target(tmp_path, one_thread):
+    """The labels shifted, as transformers does; the smoothed loss averaged over the tokens that
+    have a target (transformers divides its NLL part by every label, the unshifted count: a loss
+    (L-1)/L too small for sequences of L tokens; a deliberate difference, in the README)."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                                 embd_pdrop=0.0, attn_pdrop=0.0)
+    data = [{"input_ids": torch.arange(i, i + 8) % 64, "labels": torch.arange(i, i + 8) % 64} for i in range(16)]
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    batch = torch.utils.data.default_collate(data[:4])
+    with torch.no_grad():
+        expected = float(LabelSmoother(epsilon=0.1)(model(input_ids=batch["input_ids"]), batch["labels"],
+                                                    shift_labels=True))
+    losses, _ = _smoothed_run(mixprec, str(tmp_path / "mp"), model, data)
+    assert losses[0] == pytest.approx(expected, rel=1e-5)

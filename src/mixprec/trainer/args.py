@@ -43,7 +43,6 @@ _UNSUPPORTED = {
     "trackio_space_id": "trackio is not integrated; report_to='jsonl' or 'tensorboard'",
     "trackio_bucket_id": "trackio is not integrated", "trackio_static_space_id": "trackio is not integrated",
     "optim_target_modules": "optimizers such as GaLore are not integrated",
-    "label_smoothing_factor": "compute the smoothed loss in the model or with compute_loss_func",
     "auto_find_batch_size": "mixprec does not retry on out-of-memory errors",
     "include_num_input_tokens_seen": "input tokens are not counted",
     "save_only_model": "a mixprec checkpoint always holds what a resume needs",

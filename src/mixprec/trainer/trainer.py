@@ -143,6 +143,8 @@ class Trainer:
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.model_accepts_loss_kwargs = False  # the loss is the model's mean: no num_items_in_batch is passed
+        #: transformers' ``LabelSmoother`` for ``label_smoothing_factor`` (``None`` without smoothing).
+        self.label_smoother = _label_smoother(self.args.label_smoothing_factor)
         names, _ = model_input_names(self.model)
         self.label_names = self.args.label_names or ([n for n in names if "label" in n] or ["labels"])
         # Hugging Face's order: the flow, the reporters, the user's, then the progress display.
@@ -551,12 +553,19 @@ class Trainer:
 
     def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        """The model's loss on ``inputs`` (override for a custom loss; or pass ``compute_loss_func``)."""
-        if self.compute_loss_func is not None and isinstance(inputs, dict) and "labels" in inputs:
+        """The model's loss on ``inputs`` (override for a custom loss; or pass ``compute_loss_func``);
+        with ``label_smoothing_factor``, transformers' ``LabelSmoother`` on the logits (the labels
+        shifted for a causal language model), as transformers computes it."""
+        smoother = self.label_smoother
+        if (self.compute_loss_func is not None or smoother is not None) and isinstance(inputs, dict) \
+                and "labels" in inputs:
             inputs = dict(inputs)
             labels = inputs.pop("labels")
             outputs = call_model(model, inputs, self.model)
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+            if self.compute_loss_func is not None:
+                loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+            else:
+                loss = smoother(outputs, labels, shift_labels=_is_causal_lm(self.accelerator.unwrap_model(model)))
             return (loss, outputs) if return_outputs else loss
         outputs = call_model(model, inputs, self.model)
         loss = extract_loss(outputs)
@@ -891,3 +900,24 @@ def enable_full_determinism(seed: int) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+
+
+def _label_smoother(epsilon: float) -> Any:
+    """transformers' ``LabelSmoother(epsilon)``, or ``None`` for no smoothing."""
+    if not epsilon:
+        return None
+    try:
+        from transformers.trainer_pt_utils import LabelSmoother
+    except ImportError:
+        raise ImportError("label_smoothing_factor uses transformers' LabelSmoother: pip install transformers (or "
+                          "mixprec[hf]); or compute the smoothed loss with compute_loss_func") from None
+    return LabelSmoother(epsilon=epsilon)
+
+
+def _is_causal_lm(model: torch.nn.Module) -> bool:
+    """Whether transformers names ``model``'s class a causal language model (its labels are shifted)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return False
+    return model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
