@@ -251,3 +251,49 @@ def test_label_smoothing_on_a_causal_lm_is_the_mean_over_the_tokens_that_have_a_
                                                     shift_labels=True))
     losses, _ = _smoothed_run(mixprec, str(tmp_path / "mp"), model, data)
     assert losses[0] == pytest.approx(expected, rel=1e-5)
+
+
+def _lm_run(lib, out: str, **more) -> tuple[list[dict], dict]:
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    data = [{"input_ids": torch.arange(i, i + 8) % 64, "labels": torch.arange(i, i + 8) % 64,
+             "attention_mask": (torch.arange(8) < 4 + i % 5).long()} for i in range(16)]
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    args = lib.TrainingArguments(output_dir=out, num_train_epochs=1, per_device_train_batch_size=4, learning_rate=1e-2,
+                                 logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                                 use_cpu=True, seed=3, train_sampling_strategy="sequential", **more)
+    trainer = lib.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return trainer.state.log_history, model.state_dict()
+
+
+@pytest.mark.parametrize("mode", ["all", "non_padding", True])
+def test_input_tokens_seen_are_counted_as_transformers_counts_them(mode, tmp_path, one_thread):
+    theirs, _ = _lm_run(transformers, str(tmp_path / "hf"), include_num_input_tokens_seen=mode)
+    ours, _ = _lm_run(mixprec, str(tmp_path / "mp"), include_num_input_tokens_seen=mode)
+    counts = [r["num_input_tokens_seen"] for r in ours if "num_input_tokens_seen" in r]
+    assert counts == [r["num_input_tokens_seen"] for r in theirs if "num_input_tokens_seen" in r] and counts[-1] > 0
+
+
+def test_neftune_noise_is_added_while_training_and_gone_after(tmp_path, one_thread):
+    """transformers' own NEFTune hook on the input embeddings while training (the noise draws are
+    random, so the run is compared with itself: noisier than without, and the hook removed after)."""
+    ours, _ = _lm_run(mixprec, str(tmp_path / "mp"), neftune_noise_alpha=5.0)
+    plain, _ = _lm_run(mixprec, str(tmp_path / "plain"))
+    losses = [[r["loss"] for r in h if "loss" in r] for h in (ours, plain)]
+    assert losses[0] != losses[1] and len(losses[0]) == len(losses[1]) == 4
+    with pytest.raises(ValueError, match="get_input_embeddings"):
+        mixprec.Trainer(model=_Regressor(), args=mixprec.TrainingArguments(
+            output_dir=str(tmp_path / "r"), neftune_noise_alpha=5.0, use_cpu=True, report_to="none",
+            max_steps=1), train_dataset=_Rows()).train()
+
+
+def test_neftune_hook_is_removed_after_training(tmp_path):
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg)
+    data = [{"input_ids": torch.arange(8), "labels": torch.arange(8)} for _ in range(4)]
+    args = mixprec.TrainingArguments(output_dir=str(tmp_path), neftune_noise_alpha=5.0, use_cpu=True, report_to="none",
+                                     max_steps=1, per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True)
+    mixprec.Trainer(model=model, args=args, train_dataset=data).train()
+    assert not model.get_input_embeddings()._forward_hooks

@@ -39,12 +39,10 @@ _UNSUPPORTED = {
     "accelerator_config": "mixprec's Trainer builds a mixprec.Accelerator from these arguments",
     "parallelism_config": "mixprec runs data parallelism only",
     "use_liger_kernel": "Liger kernels are not integrated", "liger_kernel_config": "Liger kernels are not integrated",
-    "neftune_noise_alpha": "NEFTune is not implemented",
     "trackio_space_id": "trackio is not integrated; report_to='jsonl' or 'tensorboard'",
     "trackio_bucket_id": "trackio is not integrated", "trackio_static_space_id": "trackio is not integrated",
     "optim_target_modules": "optimizers such as GaLore are not integrated",
     "auto_find_batch_size": "mixprec does not retry on out-of-memory errors",
-    "include_num_input_tokens_seen": "input tokens are not counted",
     "save_only_model": "a mixprec checkpoint always holds what a resume needs",
     "save_on_each_node": "the main process writes each checkpoint", "enable_jit_checkpoint": "not implemented",
     "ignore_data_skip": "a resume always continues at the saved batch",
@@ -326,6 +324,9 @@ class TrainingArguments:
                                  "used here: leave tf32 unset")
             if cuda:  # fp32 matrix products in TF32 (or not), as transformers sets it
                 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(self.tf32)
+        if isinstance(self.include_num_input_tokens_seen, bool):  # transformers' older spelling
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        _one_of("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("no", "all", "non_padding"))
         if self.dataloader_prefetch_factor is not None and not self.dataloader_num_workers:
             raise ValueError("dataloader_prefetch_factor can only be set when data is loaded in other processes: set "
                              "dataloader_num_workers > 0, or leave dataloader_prefetch_factor unset")

@@ -315,8 +315,13 @@ class Trainer:
             raise ValueError("trial: hyperparameter search is not supported by mixprec's Trainer")
         self._ignore_keys_for_eval = ignore_keys_for_eval
         self.args.validate()
-        with self._output_dir_lock():
-            result = self._train(resume_from_checkpoint)
+        neftune = _activate_neftune(self.model, self.args.neftune_noise_alpha, self.accelerator)
+        try:
+            with self._output_dir_lock():
+                result = self._train(resume_from_checkpoint)
+        finally:
+            if neftune is not None:  # the noise is for training only
+                neftune.remove()
         if self._preempted_at is not None:
             raise SystemExit(PREEMPTED_EXIT_CODE)
         return result
@@ -429,6 +434,7 @@ class Trainer:
         self._precision_reported = False  # the run's first log says what precision is really in force
         self._grad_norm = None
         self._learning_rate = 0.0  # the rate the last optimizer step used (logged)
+        self._tokens_since_log: Any = 0  # input tokens counted on the device since the last log
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # listed once, not per step
         start_time = time.time()
         self.callback_handler.train_dataloader = train_dl
@@ -480,6 +486,8 @@ class Trainer:
         loss = self.training_step(model, batch) / args.gradient_accumulation_steps
         self._step_batches.append((epoch, train_dl.batches_yielded - 1, batch))
         self.current_flos += float(self.floating_point_ops(batch))
+        if args.include_num_input_tokens_seen != "no":
+            self._tokens_since_log = self._tokens_since_log + self._input_tokens(batch)
         if args.logging_nan_inf_filter:
             # Hugging Face's filter: a non-finite loss counts as the mean of those since the last
             # log. On the device (torch.where), so the filter costs no host sync.
@@ -635,6 +643,7 @@ class Trainer:
         if self._grad_norm is not None:
             logs["grad_norm"] = float(self._grad_norm)
         logs["learning_rate"] = self._learning_rate
+        self._flush_tokens()  # (log() adds the count: a log is every process's here, a collective point)
         logs.update(self._read_scaler_into_state())
         if "skipped_steps" in logs:  # a precision that checks for inf/NaN: which steps it skipped
             logs["skipped_steps_at"] = self._skips.take()
@@ -665,6 +674,8 @@ class Trainer:
         """Record ``logs`` in ``state.log_history`` (with ``epoch`` and ``step``), append them to
         ``metrics.jsonl`` (``report_to="jsonl"``) and hand them to the callbacks (``on_log``)."""
         epoch = round(self.state.epoch, 4)
+        if self.args.include_num_input_tokens_seen != "no":  # as counted at the last training log
+            logs = {**logs, "num_input_tokens_seen": self.state.num_input_tokens_seen}
         self.state.log_history.append({**logs, "epoch": epoch, "step": self.state.global_step})
         if self._jsonl is not None:
             self._jsonl.on_log(self.args, self.state, self.control, logs=dict(logs, epoch=epoch))
@@ -696,6 +707,7 @@ class Trainer:
             self.state.best_global_step = self.state.global_step
         self._read_scaler_into_state()
         self.store_flos()
+        self._flush_tokens()
         self.state.loss_since_log = float(self._loss_since_log)
         self.state.steps_since_log = self._steps_since_log
         self.state.skipped_steps_since_log = self._skips.steps()
@@ -728,6 +740,7 @@ class Trainer:
                    "train_steps_per_second": round(s.global_step / max(runtime, 1e-9), 3),
                    "train_loss": s.total_loss / max(1, s.global_step)}
         self.store_flos()
+        self._flush_tokens()
         metrics["total_flos"] = float(s.total_flos)
         if self._preempted_at is None:  # a preempted run's summary would be logged past its checkpoint
             self.log(metrics)
@@ -795,6 +808,29 @@ class Trainer:
         if isinstance(inputs, dict) and main in inputs and hasattr(self.model, "num_parameters"):
             return 6 * inputs[main].numel() * self.model.num_parameters(exclude_embeddings=True)
         return 0
+
+    def _input_tokens(self, batch: Any) -> Any:
+        """This process's input tokens in ``batch`` (``include_num_input_tokens_seen``), on the
+        device: all of the main input's, or the attention mask's ones for ``"non_padding"``."""
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if not isinstance(batch, dict) or main not in batch:
+            return 0
+        if self.args.include_num_input_tokens_seen == "non_padding":
+            if "attention_mask" in batch:
+                return batch["attention_mask"].sum()
+            pad = getattr(self.processing_class, "pad_token_id", None)
+            if pad is not None:
+                return (batch[main] != pad).sum()
+        return batch[main].numel()
+
+    def _flush_tokens(self) -> None:
+        """Add the tokens counted since the last call (every process's) to ``state.num_input_tokens_seen``."""
+        if self.args.include_num_input_tokens_seen == "no":
+            return
+        acc = self.accelerator
+        count = torch.as_tensor(self._tokens_since_log, dtype=torch.int64, device=acc.device)
+        self.state.num_input_tokens_seen += int(acc.reduce(count, "sum").item())
+        self._tokens_since_log = 0
 
     def store_flos(self) -> None:
         """Add the FLOPs counted since the last call (over all processes) to ``state.total_flos``."""
@@ -921,3 +957,20 @@ def _is_causal_lm(model: torch.nn.Module) -> bool:
     except ImportError:
         return False
     return model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def _activate_neftune(model: torch.nn.Module, alpha: float | None, accelerator: Any) -> Any:
+    """NEFTune's noise on the input embeddings during training (``neftune_noise_alpha``), by
+    transformers' own hook; returns its handle (``None`` without NEFTune)."""
+    if alpha is None:
+        return None
+    try:
+        from transformers.integrations.neftune import activate_neftune
+    except ImportError:
+        raise ImportError("neftune_noise_alpha uses transformers' NEFTune hook: pip install transformers (or "
+                          "mixprec[hf])") from None
+    inner = accelerator.unwrap_model(model)
+    if not hasattr(inner, "get_input_embeddings"):
+        raise ValueError(f"neftune_noise_alpha adds noise to the input embeddings, which {type(inner).__name__} does "
+                         "not expose (get_input_embeddings(), as Hugging Face models do); leave it unset")
+    return activate_neftune(model, alpha, accelerator)
