@@ -16,7 +16,8 @@ SAME = [dict(output_dir="~/mixprec-runs", use_cpu=True),
         dict(output_dir="o", report_to=["none"]),
         dict(output_dir="o", use_cpu=True, dataloader_pin_memory=True),
         dict(output_dir="o", lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs='{"min_lr_rate": 0.1}'),
-        dict(output_dir="o", optim="adafactor", optim_args="beta1=0.9")]
+        dict(output_dir="o", optim="adafactor", optim_args="beta1=0.9"),
+        dict(output_dir="o", hub_strategy="end", hub_model_id="me/model")]  # without push_to_hub: inert
 
 
 def _both(kwargs):

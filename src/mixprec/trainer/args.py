@@ -281,6 +281,8 @@ class TrainingArguments:
         if self.report_to is None:
             self.report_to = "none"
         for name, why in _UNSUPPORTED.items():
+            if name.startswith("hub_") and not self.push_to_hub:
+                continue  # Hub settings do nothing without push_to_hub, in transformers too
             value, default = getattr(self, name), _default(name)
             if value != default:
                 raise ValueError(f"{name}={value!r} is not supported by mixprec's Trainer ({why}); leave {name} at "
