@@ -617,8 +617,12 @@ class _ProjectRunTracker(_LibraryTracker):
 
     @on_main_process
     def store_init_configuration(self, values: dict[str, Any]) -> None:
-        """``<module>.config.update(values, allow_val_change=True)``."""
-        importlib.import_module(self.module).config.update(values, allow_val_change=True)
+        """``<module>.config.update(values)``.
+
+        Accelerate passes ``allow_val_change=True`` too, as to wandb; but trackio's config is a plain dict and
+        SwanLab's ``Config.update`` takes keyword arguments as items, so both would store an
+        ``allow_val_change: True`` entry in the run's config. It is left out here."""
+        importlib.import_module(self.module).config.update(values)
 
     @on_main_process
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
