@@ -165,8 +165,10 @@ def _cuda_capability(device: torch.device) -> DeviceCapability:
 
 
 def _mps_capability() -> DeviceCapability:  # pragma: no cover - no Apple hardware in CI
-    support = {"fp32": NATIVE, "fp16-mixed": NATIVE, "bf16-mixed": NATIVE, "bf16-true": NATIVE}
-    return DeviceCapability(device="mps", name="Apple GPU (MPS)", flags={"mps": True}, support=support)
+    support = {"fp32": NATIVE, "fp16-mixed": NATIVE, "bf16-mixed": NATIVE, "bf16-true": NATIVE, "fp8": UNSUPPORTED}
+    reasons = {"fp8": "torchao's float8 training does not run on Apple GPUs; use bf16-mixed"}
+    return DeviceCapability(device="mps", name="Apple GPU (MPS)", flags={"mps": True}, support=support,
+                            reasons=reasons)
 
 
 def default_device() -> torch.device:

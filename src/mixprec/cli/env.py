@@ -6,8 +6,9 @@ import argparse
 import json
 
 from mixprec.hardware import environment_report
+from mixprec.precision.names import CANONICAL_PRECISIONS
 
-_PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16-true")
+_PRECISIONS = tuple(p for p in CANONICAL_PRECISIONS if p != "auto")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
