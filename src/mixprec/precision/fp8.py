@@ -57,7 +57,7 @@ def float8_layer_choice(model: torch.nn.Module,
             not multiples of 16 stay in bf16 whatever it says (the kernels cannot take them).
 
     Example:
-        >>> net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 10))
+        >>> net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 16))
         >>> float8_layer_choice(net)
         {'0': 'the first Linear layer', '1': None, '2': 'the last Linear layer'}
     """
