@@ -79,8 +79,9 @@ class DataLoaderConfiguration:
     Args:
         split_batches: each batch of the original loader is split over the processes (its
             batch size must divide by their number) instead of each process drawing its own.
-        dispatch_batches: accepted for compatibility; every process reads its own batches
-            (the same batches Accelerate's dispatching gives, without the broadcast).
+        dispatch_batches: accepted for compatibility; every process reads its own batches, in the
+            order it has without dispatching (Accelerate's dispatcher shuffles with process 0's
+            RNG and broadcasts: another order for the same seed).
         even_batches: pad the last round with samples from the start so every process gets a
             batch (``gather_for_metrics`` drops the duplicates). ``False``: no padding, some
             processes get one batch fewer (wrap the loop in ``Accelerator.join_uneven_inputs``).
