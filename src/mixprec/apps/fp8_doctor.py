@@ -4,7 +4,8 @@ measured on the CPU before renting a GPU.
 A bf16-mixed probe trains a fresh copy of the model for a few steps. At each step, for every
 ``nn.Linear``, its input, weight and output gradient are quantised exactly as torchao's float8
 training would quantise them under each recipe (:func:`mixprec.precision.fp8.quantise_float8`,
-byte for byte torchao's cast): the input as bf16 autocast hands it to the layer. Per layer the
+byte for byte torchao's cast): the input as bf16 autocast hands it to the layer (the products on
+the first 512 rows of each step's batch; the scales from the whole tensors). Per layer the
 doctor reports the largest magnitude (amax) of each tensor, the fraction of values saturated at
 the format's maximum and flushed to zero, and the relative error of the layer's *output* in fp8
 against bf16 (what the next layer sees), and of the input gradient it sends back. Then short
@@ -98,13 +99,19 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - b)) / norm if norm > 0 else 0.0
 
 
-def _cast_stats(t: torch.Tensor, cast: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-    """``t`` as the matrix product sees it after the cast, and what the cast did to it."""
+_ROWS = 512  # rows (tokens) of a step's batch the products are measured on; the casts see all of them
+
+
+def _cast_stats(t: torch.Tensor, cast: dict[str, Any], rows: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """``t`` as the matrix product sees it after the cast (its first ``rows`` rows: the scale is
+    the whole tensor's, as in training), and what the cast did to all of it."""
     bits, scale = quantise_float8(t, **cast)
     values = bits.float()
     limit = torch.finfo(cast["dtype"]).max
     stats = {"amax": float(t.abs().max()), "saturated": float((values.abs() == limit).float().mean()),
              "flushed": float(((values == 0) & (t != 0)).float().mean())}
+    if rows is not None:
+        values, scale = values[:rows], (scale[:rows] if scale.dim() and scale.shape[0] > 1 else scale)
     return values / scale, stats
 
 
@@ -115,14 +122,14 @@ def _layer_errors(x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
     g = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.bfloat16)
     w16 = weight.to(torch.bfloat16).float()
     out: dict[str, Any] = {}
-    xq, out["input"] = _cast_stats(x, casts["input"])
+    xq, out["input"] = _cast_stats(x, casts["input"], _ROWS)
     wq, out["weight"] = _cast_stats(weight.t(), casts["weight"])
-    out["output_error"] = _relative(xq @ wq, x.float() @ w16.t())
+    out["output_error"] = _relative(xq @ wq, x[:_ROWS].float() @ w16.t())
     if casts["grad_output"] is not None:
-        gq, out["grad_output"] = _cast_stats(g, casts["grad_output"])
+        gq, out["grad_output"] = _cast_stats(g, casts["grad_output"], _ROWS)
         wgi = casts.get("weight_for_grad_input") or casts["weight"]
         wq_gi, _ = _cast_stats(weight.t(), wgi)
-        out["grad_input_error"] = _relative(gq @ wq_gi.t(), g.float() @ w16)
+        out["grad_input_error"] = _relative(gq @ wq_gi.t(), g[:_ROWS].float() @ w16)
     return out
 
 
