@@ -95,13 +95,14 @@ def test_sharded_training_equals_one_process_over_the_same_global_batches(runs, 
 
 def test_fp8_shards_trains_and_resumes_bit_for_bit(tmp_path):
     """fp8 (torchao's float8 Linear layers, emulated here) under FSDP2: the blocks' six Linear
-    layers run in float8, the contract holds, and a sharded checkpoint resumes bit for bit."""
+    layers run in float8 with their weights all-gathered in float8 (tensorwise), the contract
+    holds, and a sharded checkpoint resumes bit for bit."""
     pytest.importorskip("torchao.float8")
     full = launch(tmp_path / "full", "--precision", "fp8", "--save-at", "4")
     launch(tmp_path / "resumed", "--precision", "fp8", "--resume", str(tmp_path / "full" / "ckpt"))
     details = full["precision_details"]
     assert full["precision_ok"] and full["sharded"] and full["ranks_identical"]
-    assert details["float8_in_forward"] == ["float8_e4m3fn"]
+    assert details["float8_in_forward"] == ["float8_e4m3fn"] and details["float8_all_gather"]
     assert sorted(k for k, v in details["layers"].items() if v.startswith("float8")) == [
         f"layers.{i}.{fc}" for i in range(3) for fc in ("fc1", "fc2")]
     assert full["losses"][-1] < full["losses"][0]

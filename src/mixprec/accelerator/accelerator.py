@@ -248,6 +248,7 @@ class Accelerator:
         if ao is not None and policy.float8_linears:
             precision_config = self.precision_config = dataclasses.replace(precision_config, **_fp8_fields(ao))
         self.precision: PrecisionPlugin = make_plugin(policy, device, precision_config)
+        self.precision.sharded = self.fsdp_plugin is not None
         #: Who this process is (Accelerate's ``accelerator.state``; this Accelerator's own, not global).
         self.state = AcceleratorState(self.processes, mixed_precision=_ACCELERATE_NAMES[policy.name])
         self.state.is_fsdp2 = self.fsdp_plugin is not None
@@ -708,6 +709,7 @@ class Accelerator:
         self.precision.release()
         # The loss scaler stays behind: the precisions a run falls back to need none.
         self.precision = make_plugin(name, self.device, self.precision_config.replace(loss_scaler=None))
+        self.precision.sharded = self.fsdp_plugin is not None
         self.state.mixed_precision = _ACCELERATE_NAMES[self.precision.policy.name]
         for o in self.prepared.optimizers:
             self.precision.track_optimizer(o.optimizer)

@@ -168,7 +168,12 @@ class Preparer:
         state, precision = self.state, self.current_precision()
         if device_placement if device_placement is not None else self.device_placement:
             model.to(state.device)
+        given = dict(model.named_parameters())
         precision.convert_module(model)
+        # A conversion may put new Parameter objects in (fp8's float8 all-gather wraps each weight):
+        # optimizers built on the given ones are pointed at them, as at sharding below.
+        self.sharded_params.update({id(p): q for n, q in model.named_parameters() if (p := given.get(n)) is not None
+                                    and p is not q})
         patch_forward(model, self.current_precision)
         if state.use_distributed and self.fsdp_plugin is not None:
             # Every rank shards the same weights: rank 0's (as DDP does; FSDP2 alone would keep
@@ -179,7 +184,10 @@ class Preparer:
             # (activation checkpointing wraps the blocks: their names gain the wrapper's prefix)
             after = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
             # fully_shard replaces the parameters: optimizers built on the old ones are pointed at them.
-            self.sharded_params.update({id(p): after[n] for n, p in before.items() if n in after})
+            moved = {id(p): after[n] for n, p in before.items() if n in after}
+            # the given parameters a conversion replaced follow theirs to the shards
+            self.sharded_params.update({k: moved.get(id(v), v) for k, v in self.sharded_params.items()})
+            self.sharded_params.update(moved)
         self.audit.watch_model(model)
         if self.diagnostics.enabled:  # after sharding: the statistics read the sharded gradients
             if self.monitor is None:

@@ -50,6 +50,9 @@ class PrecisionPlugin:
 
     #: Whether this precision takes a loss scaler it does not need (bf16-mixed may opt in).
     accepts_loss_scaler = False
+    #: Whether ``prepare`` shards the models with FSDP2 (the Accelerator sets it): fp8 then
+    #: all-gathers its float8 weights where the recipe allows.
+    sharded = False
 
     def __init__(self, policy: PrecisionPolicy, device: str | torch.device, config: PrecisionConfig | None = None) -> None:
         self.policy = policy
