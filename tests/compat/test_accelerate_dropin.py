@@ -185,11 +185,16 @@ def test_a_prepared_model_returns_fp32_outputs_under_bf16_as_accelerates_does():
             y = self.lin(x)
             return {"logits": y, "pair": (y, x.argmax(-1)), "y32": y.float()}
 
+    from accelerate.state import AcceleratorState
+
     seen = []
-    for lib in (accelerate, mixprec):
-        torch.manual_seed(0)
-        out = lib.Accelerator(cpu=True, mixed_precision="bf16").prepare(Net())(torch.randn(2, 4))
-        seen.append({k: [t.dtype for t in v] if isinstance(v, tuple) else v.dtype for k, v in out.items()})
+    try:
+        for lib in (accelerate, mixprec):
+            torch.manual_seed(0)
+            out = lib.Accelerator(cpu=True, mixed_precision="bf16").prepare(Net())(torch.randn(2, 4))
+            seen.append({k: [t.dtype for t in v] if isinstance(v, tuple) else v.dtype for k, v in out.items()})
+    finally:  # Accelerate's state is process-global: the next test's Accelerator chooses its own precision
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert seen[0] == seen[1] == {"logits": torch.float32, "pair": [torch.float32, torch.int64], "y32": torch.float32}
 
 # -- FSDP1 fields -------------------------------------------------------------------------------------------
@@ -355,9 +360,15 @@ def test_accelerates_example_scripts_run_with_the_import_changed(example, tmp_pa
     anchor's metrics (the runner compares them with those recorded under Accelerate 1.16)."""
     for module in ("evaluate", "tokenizers", "sklearn"):
         pytest.importorskip(module)
+    # tracking.py logs to "all" installed trackers: those that need an account (Comet, ClearML,
+    # SwanLab) are switched to their offline modes, and every tracker writes under tmp_path.
+    offline = {"COMET_START_ONLINE": "false", "COMET_OFFLINE_DIRECTORY": tmp_path / "comet",
+               "COMET_DISABLE_AUTO_LOGGING": "1", "CLEARML_OFFLINE_MODE": "1", "CLEARML_CACHE_DIR": tmp_path / "clearml",
+               "SWANLAB_MODE": "offline", "SWANLAB_LOG_DIR": tmp_path / "swanlog", "SWANLAB_ROOT": tmp_path / "swanlab",
+               "TRACKIO_DIR": tmp_path / "trackio", "HOME": tmp_path / "home"}
     proc = subprocess.run([sys.executable, str(EXAMPLES), sys.executable, "mixprec", "--only", example,
                            "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(SRC)})
+                          env={**os.environ, "PYTHONPATH": str(SRC), **{k: str(v) for k, v in offline.items()}})
     summary = [line for line in proc.stdout.splitlines() if line.startswith("mixprec ")]
     assert summary and all(line.startswith("mixprec PASS") for line in summary), proc.stdout[-3000:]
 
