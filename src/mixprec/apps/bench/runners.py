@@ -83,9 +83,9 @@ class Runner:
 
     @contextlib.contextmanager
     def _uncompiled(self) -> Iterator[None]:
-        """The counted steps run the compiled model's own module: a compiled model called under
-        a counter (a dispatch mode) ran uncompiled afterwards (seen with fp8's float8 tensors:
-        dynamo then compiled their ``__torch_dispatch__`` op by op, 3x slower than bf16 on an H200)."""
+        """The counted steps run the compiled model's own module: after a compiled fp8 model was
+        called under a counter (a dispatch mode), dynamo compiled its float8 tensors'
+        ``__torch_dispatch__`` op by op at every later step (CPU: 3 steps took 4.9 s, not 0.07 s)."""
         compiled = self.model
         self.model = getattr(compiled, "_orig_mod", compiled)
         try:
