@@ -506,7 +506,7 @@ class Trainer:
         self.optimizer.step()
         self._event("on_optimizer_step")
         self._learning_rate = self._get_learning_rate()  # the rate this step used: the one logged
-        if not self._metric_driven_schedule():  # those step with the evaluation metric (_evaluate_in_training)
+        if not self._metric_driven_schedule():  # those step with the evaluation metric (_maybe_log_save_evaluate)
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
