@@ -64,7 +64,9 @@ def test_the_doctors_quantisation_is_torchaos_cast_byte_for_byte(recipe):
     casts = float8_casts(config)
     for role, t, cast, axis, gemm in [("input", x, config.cast_config_input, -1, GemmInputRole.INPUT),
                                       ("weight", w.t(), config.cast_config_weight, 0, GemmInputRole.WEIGHT),
-                                      ("grad_output", g, config.cast_config_grad_output, -1, GemmInputRole.GRAD_OUTPUT)]:
+                                      ("grad_output", g, config.cast_config_grad_output, -1, GemmInputRole.GRAD_OUTPUT),
+                                      ("weight_for_grad_input", w.t(), config.cast_config_weight_for_grad_input, -1,
+                                       GemmInputRole.WEIGHT)]:
         theirs = hp_tensor_to_float8_dynamic(
             t, cast.target_dtype, LinearMMConfig(), gemm_input_role=gemm, scaling_granularity=cast.scaling_granularity,
             axiswise_dim=get_maybe_axiswise_dim(axis, cast.scaling_granularity),

@@ -127,8 +127,8 @@ def _layer_errors(x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
     out["output_error"] = _relative(xq @ wq, x[:_ROWS].float() @ w16.t())
     if casts["grad_output"] is not None:
         gq, out["grad_output"] = _cast_stats(g, casts["grad_output"], _ROWS)
-        wgi = casts.get("weight_for_grad_input") or casts["weight"]
-        wq_gi, _ = _cast_stats(weight.t(), wgi)
+        wgi = casts["weight_for_grad_input"] or casts["weight"]
+        wq_gi = wq if wgi == casts["weight"] else _cast_stats(weight.t(), wgi)[0]  # tensorwise: the same cast
         out["grad_input_error"] = _relative(gq @ wq_gi.t(), g[:_ROWS].float() @ w16)
     return out
 
@@ -143,13 +143,7 @@ def probe_float8_layers(build_model: Callable[[], torch.nn.Module], dataset: Any
     """
     cfg = config or Fp8DoctorConfig()
     float8 = torchao_float8()
-    casts = {}
-    for r in cfg.recipes:
-        c = float8.Float8LinearConfig.from_recipe_name(r)
-        casts[r] = float8_casts(c)
-        wgi = c.cast_config_weight_for_grad_input
-        casts[r]["weight_for_grad_input"] = {"dtype": wgi.target_dtype, "dim": -1 if wgi.scaling_granularity.value
-                                             == "axiswise" else None, "power_of_2": bool(c.round_scales_to_power_of_2)}
+    casts = {r: float8_casts(float8.Float8LinearConfig.from_recipe_name(r)) for r in cfg.recipes}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PrecisionPerformanceWarning)
         acc = Accelerator(mixed_precision="bf16-mixed", cpu=cfg.cpu)

@@ -125,9 +125,11 @@ def float8_casts(config: Any) -> dict[str, dict[str, Any]]:
     """The casts a float8 ``Linear`` makes under torchao's ``Float8LinearConfig``, by role, as
     keyword arguments of :func:`quantise_float8` (``None`` where the recipe leaves it in high
     precision): ``input`` and ``weight`` (forward, ``y = x @ W^T``; ``weight`` is W's transpose as
-    torchao casts it), ``grad_output`` (for the input's gradient)."""
+    torchao casts it), ``grad_output`` and ``weight_for_grad_input`` (W's transpose again, for the
+    input's gradient)."""
     roles = {"input": (config.cast_config_input, -1), "weight": (config.cast_config_weight, 0),
-             "grad_output": (config.cast_config_grad_output, -1)}
+             "grad_output": (config.cast_config_grad_output, -1),
+             "weight_for_grad_input": (config.cast_config_weight_for_grad_input, -1)}
     out: dict[str, dict[str, Any]] = {}
     for role, (cast, axis) in roles.items():
         if cast.scaling_type.value == "disabled":
