@@ -734,9 +734,8 @@ class Trainer:
                                          str(weights_file(Path(s.best_model_checkpoint))),
                                          device=str(self.accelerator.device))
         metrics = {"train_runtime": round(runtime, 4),
-                   "train_samples_per_second": round(s.global_step * self.args.per_device_train_batch_size
-                                                     * self.args.gradient_accumulation_steps
-                                                     * self.accelerator.num_processes / max(runtime, 1e-9), 3),
+                   "train_samples_per_second": round(s.global_step * self.get_total_train_batch_size(self.args)
+                                                     / max(runtime, 1e-9), 3),
                    "train_steps_per_second": round(s.global_step / max(runtime, 1e-9), 3),
                    "train_loss": s.total_loss / max(1, s.global_step)}
         self.store_flos()
