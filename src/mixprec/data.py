@@ -14,13 +14,14 @@ A prepared dataloader rebuilds the user's ``DataLoader`` around a batch sampler 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
 
-from mixprec.nested import tree_map
+from mixprec.nested import tree_leaves, tree_map
 
 __all__ = ["send_to_device", "collate", "PreparedDataLoader"]
 
@@ -185,20 +186,27 @@ class _ShardedBatchSampler:
         return n // w + (1 if self.rank < n % w else 0)
 
 
-class PreparedDataLoader:
+class PreparedDataLoader(DataLoader):
     """A dataloader prepared by an :class:`~mixprec.Accelerator`: device placement and sharding.
 
-    Iterate it like the original. It keeps ``dataset``, ``batch_size`` and ``__len__`` (this
-    process's number of batches), and knows during iteration whether the current batch is the
-    last (``end_of_dataloader``) and how many padded duplicates that batch holds across all
-    processes (``remainder``).
+    A ``torch.utils.data.DataLoader`` (as Accelerate's prepared loaders are): iterate it like the
+    original. It keeps the original's ``dataset``, ``batch_size``, ``sampler`` and ``drop_last``,
+    its ``__len__`` is this process's number of batches, and it knows during iteration whether
+    the current batch is the last (``end_of_dataloader``) and how many padded duplicates that
+    batch holds across all processes (``remainder``).
+
+    With ``dispatch_batches`` (Accelerate's ``DataLoaderDispatcher``; its default for an
+    ``IterableDataset`` over several processes), process 0 alone iterates the original loader,
+    takes one batch per process (one batch with ``split_batches``), concatenates them and sends
+    the result to every process, which keeps its slice: the same batches, in the same order, as
+    Accelerate gives for the same seed, and an ``IterableDataset`` needs no sharding of its own.
     """
 
     def __init__(self, loader: DataLoader, *, device: torch.device | None, world_size: int = 1, rank: int = 0,
                  seed: int = 0, float_dtype: torch.dtype | None = None, on_iter=None, on_end=None,
                  non_blocking: bool | None = None, resume_position: bool = True, shuffle: str = "seedable",
-                 split_batches: bool = False, even_batches: bool = True) -> None:
-        self.base_loader = loader
+                 split_batches: bool = False, even_batches: bool = True, dispatch_batches: bool = False) -> None:
+        self.base_dataloader = loader
         self.device = device
         self.float_dtype = float_dtype
         self.non_blocking = non_blocking
@@ -214,63 +222,76 @@ class PreparedDataLoader:
         # How our own generator (the user gave none) gets each epoch's shuffle order, as Accelerate's
         # prepared loaders get theirs: "seedable" re-seeds it with seed + epoch (use_seedable_sampler,
         # data_seed); "per_epoch" seeds it from a draw of torch's global RNG at each epoch's start
-        # (one process: torch's own RandomSampler); "continue" lets it run on from ``seed`` (several
-        # processes: the synchronised generator). A user's generator simply runs on.
+        # (one process: torch's own RandomSampler; several, dispatched: process 0's); "continue" lets
+        # it run on from ``seed`` (several processes: the synchronised generator). A user's generator
+        # simply runs on.
         if shuffle not in ("seedable", "per_epoch", "continue"):
             raise ValueError(f"shuffle must be 'seedable', 'per_epoch' or 'continue', got {shuffle!r}")
         self._own_generator = user_gen is None
         self._shuffle = shuffle
         self._restored = False  # a mid-epoch state was loaded: the next epoch draws nothing
-        self.generator = user_gen if user_gen is not None else torch.Generator().manual_seed(seed)
+        #: The generator of the shuffle order (Accelerate's name).
+        self.synchronized_generator = user_gen if user_gen is not None else torch.Generator().manual_seed(seed)
         # With our generator, the workers' base seed comes from one apart, so drawing it leaves the
         # order's alone; a user's generator gives both, in torch's order (base seed, then shuffle).
-        self._worker_generator = torch.Generator().manual_seed(seed) if self._own_generator else self.generator
+        self._worker_generator = (torch.Generator().manual_seed(seed) if self._own_generator
+                                  else self.synchronized_generator)
         self.epoch = 0
         self.batches_yielded = 0
         self.end_of_dataloader = False
         self._in_epoch = False
-        self._epoch_start_state = self.generator.get_state()
+        self._epoch_start_state = self.synchronized_generator.get_state()
         self._iterable = isinstance(loader.dataset, IterableDataset)
         self._world_size, self._rank = world_size, rank
         self._skip = 0  # batches to skip at the start of the next epoch
         self._workers_started = False  # persistent workers running: torch draws no new base seed
         self._sharder: _ShardedBatchSampler | None = None
+        self._dispatch = bool(dispatch_batches) and world_size > 1
+        self._split = bool(split_batches)
+        self._dispatch_remainder = 0
+        common = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                      multiprocessing_context=loader.multiprocessing_context,
+                      persistent_workers=loader.persistent_workers)
+        if loader.num_workers > 0:
+            common["prefetch_factor"] = loader.prefetch_factor
+        for name in ("pin_memory_device", "in_order"):  # torch versions that have them
+            if hasattr(loader, name):
+                common[name] = getattr(loader, name)
+        if self._dispatch and split_batches:
+            bs = getattr(loader.batch_sampler, "batch_size", loader.batch_size)
+            if bs is None or bs % world_size:
+                raise ValueError(f"split_batches=True needs a batch size that divides by the number of processes "
+                                 f"({world_size}), got {bs}; choose a multiple of {world_size}")
         if self._iterable or loader.batch_sampler is None:
-            if world_size > 1:
+            if world_size > 1 and not self._dispatch:
                 raise TypeError(
-                    "sharding an IterableDataset or a DataLoader without batch_size over several processes is "
-                    "not supported; give each process its own part of the data in the dataset's __iter__ "
-                    "(torch.distributed.get_rank() tells which), or use a map-style dataset"
-                )
-            self.loader = loader
+                    "an IterableDataset or a DataLoader without batch_size is read over several processes by "
+                    "dispatching (process 0 reads, each process gets its slice of every batch): prepare it with "
+                    "DataLoaderConfiguration(dispatch_batches=True) (the default for an IterableDataset), or give "
+                    "each process its own part of the data in the dataset's __iter__ "
+                    "(torch.distributed.get_rank() tells which)")
+            # The original's own settings: iterating this loader is iterating the original.
+            super().__init__(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
+                             sampler=None if self._iterable else sampler, generator=loader.generator, **common)
             return
         if isinstance(sampler, RandomSampler) and sampler.generator is None:
-            sampler.generator = self.generator  # the shuffle order becomes part of our state
-        self._sharder = _ShardedBatchSampler(loader.batch_sampler, world_size, rank,
-                                             getattr(loader.batch_sampler, "drop_last", False),
-                                             split=split_batches, even=even_batches)
-        kwargs = dict(
-            batch_sampler=self._sharder, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context, generator=self._worker_generator,
-            persistent_workers=loader.persistent_workers,
-        )
-        if loader.num_workers > 0:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
-        self.loader = DataLoader(loader.dataset, **kwargs)
-
-    # -- what the original loader had -----------------------------------------------------
-    @property
-    def dataset(self) -> Any:
-        return self.base_loader.dataset
+            sampler.generator = self.synchronized_generator  # the shuffle order becomes part of our state
+        if self._dispatch:
+            batch_sampler = loader.batch_sampler  # process 0 reads the whole epoch; the others nothing
+        else:
+            batch_sampler = self._sharder = _ShardedBatchSampler(
+                loader.batch_sampler, world_size, rank, getattr(loader.batch_sampler, "drop_last", False),
+                split=split_batches, even=even_batches)
+        super().__init__(loader.dataset, batch_sampler=batch_sampler, generator=self._worker_generator, **common)
+        # What the original loader said (torch's DataLoader would say None with a batch sampler).
+        for name in ("batch_size", "sampler", "drop_last"):
+            object.__setattr__(self, name, getattr(loader, name))
 
     @property
-    def batch_size(self) -> int | None:
-        return self.base_loader.batch_size
-
-    @property
-    def sampler(self) -> Any:
-        return self.base_loader.sampler
+    def base_loader(self) -> DataLoader:
+        """The user's original ``DataLoader`` (also ``base_dataloader``, Accelerate's name)."""
+        return self.base_dataloader
 
     @property
     def even_batches(self) -> bool | None:
@@ -285,11 +306,21 @@ class PreparedDataLoader:
             self._sharder.even = bool(value)
 
     @property
+    def split_batches(self) -> bool:
+        """Whether each original batch is split over the processes (Accelerate's name)."""
+        return self._split
+
+    @property
+    def dispatch_batches(self) -> bool:
+        """Whether process 0 reads the batches and sends each process its slice."""
+        return self._dispatch
+
+    @property
     def total_batch_size(self) -> int | None:
         """Samples in one batch over all processes (Accelerate's name): the original batch size
         with ``split_batches``, else that times the number of processes."""
-        bs = self.base_loader.batch_size
-        if bs is None or (self._sharder is not None and self._sharder.split):
+        bs = self.base_dataloader.batch_size
+        if bs is None or self._split:
             return bs
         return bs * self._world_size
 
@@ -301,15 +332,25 @@ class PreparedDataLoader:
     @property
     def remainder(self) -> int:
         """Duplicated samples (over all processes) in the last batch of the epoch; 0 elsewhere."""
-        return self._sharder.remainder if (self._sharder is not None and self.end_of_dataloader) else 0
+        if not self.end_of_dataloader:
+            return 0
+        if self._dispatch:
+            return self._dispatch_remainder
+        return self._sharder.remainder if self._sharder is not None else 0
 
     def __len__(self) -> int:
-        return len(self._sharder) if self._sharder is not None else len(self.loader)
+        if self._sharder is not None:
+            return len(self._sharder)
+        n = len(self.base_dataloader)
+        if not self._dispatch or self._split:
+            return n
+        w = self._world_size
+        return n // w if self.drop_last else -(-n // w)
 
     def batch_indices(self, position: int) -> list[int] | None:
         """The dataset indices of batch ``position`` (0-based, skipped batches counted) of this
         process's share of the current epoch, in the batch's row order; ``None`` where the sampler
-        does not tell them (an ``IterableDataset``, a loader without ``batch_size``).
+        does not tell them (an ``IterableDataset``, a loader without ``batch_size``, dispatched batches).
 
         Example:
             >>> from mixprec import Accelerator
@@ -323,9 +364,12 @@ class PreparedDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make ``epoch`` the next epoch (its shuffle order is the one that epoch had), and
-        forward it to a sampler that wants it (``DistributedSampler``)."""
+        forward it to a sampler or dataset that wants it (``DistributedSampler``, a streaming dataset)."""
         self.epoch = epoch
-        for s in (getattr(self.base_loader, "sampler", None), getattr(self.base_loader, "batch_sampler", None)):
+        targets = [getattr(self.base_dataloader, "sampler", None), getattr(self.base_dataloader, "batch_sampler", None)]
+        if not any(hasattr(s, "set_epoch") for s in targets):
+            targets.append(self.dataset)
+        for s in targets:
             if hasattr(s, "set_epoch"):
                 s.set_epoch(epoch)
 
@@ -339,8 +383,8 @@ class PreparedDataLoader:
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: epochs started, batches yielded in this one, the epoch's RNG state."""
         if not self._in_epoch:  # between epochs: the next one starts from the generator as it is now
-            return {"epoch": self.epoch, "batches_yielded": 0, "generator_state": self.generator.get_state(),
-                    "seed": self.seed}
+            return {"epoch": self.epoch, "batches_yielded": 0,
+                    "generator_state": self.synchronized_generator.get_state(), "seed": self.seed}
         return {"epoch": self.epoch, "batches_yielded": self.batches_yielded,
                 "generator_state": self._epoch_start_state.clone(), "seed": self.seed}
 
@@ -349,7 +393,7 @@ class PreparedDataLoader:
         (with ``resume_position``) or at the first batch of the epoch that was running."""
         self.epoch = int(state["epoch"])
         self.seed = int(state.get("seed", self.seed))
-        self.generator.set_state(state["generator_state"])
+        self.synchronized_generator.set_state(state["generator_state"])
         self._restored = int(state["batches_yielded"]) > 0  # that epoch's order is the state's, drawn already
         self.skip_batches(int(state["batches_yielded"]) if self.resume_position else 0)
 
@@ -359,28 +403,32 @@ class PreparedDataLoader:
         # Restored by load_state_dict(), or simply where the last epoch left it: the state from
         # which this epoch's shuffle order (and the workers' base seed) will be drawn.
         restored, self._restored = self._restored, False
+        gen = self.synchronized_generator
         if self._own_generator and not self._iterable and not restored:
             # What torch's DataLoader draws from the global RNG at each epoch (the workers' base seed),
             # then, in one process, what its RandomSampler draws: the same draws, in the same order.
+            # Dispatched, only process 0's sampler draws (it alone reads the order).
             self._worker_generator.manual_seed(_draw())
-            if self._shuffle == "per_epoch":
-                self.generator.manual_seed(_draw())
+            if self._shuffle == "per_epoch" and not (self._dispatch and self._rank != 0):
+                gen.manual_seed(_draw())
             elif self._shuffle == "seedable":
-                self.generator.manual_seed(self.seed + self.epoch)
-        self._epoch_start_state = self.generator.get_state()
+                gen.manual_seed(self.seed + self.epoch)
+        self._epoch_start_state = gen.get_state()
         if self._workers_started:
             # torch draws the workers' base seed when it starts the workers, and persistent workers
             # are started once: draw it here in the epochs torch does not.
             torch.empty((), dtype=torch.int64).random_(generator=self._worker_generator)
-        self._workers_started = self.loader.persistent_workers and self.loader.num_workers > 0
+        self._workers_started = self.persistent_workers and self.num_workers > 0
         skip, self._skip = self._skip, 0
         if self._sharder is not None:
             self._sharder.skip = skip  # skipped in the sampler: those batches are never loaded
         self.batches_yielded = skip
         self.end_of_dataloader = False
         self._in_epoch = True
-        it = iter(self.loader)
+        it = super().__iter__()
         try:
+            if self._dispatch:
+                it, skip = self._dispatched(it, skip), 0
             if self._sharder is None:  # no sampler to skip in: load the batches and drop them
                 for _ in range(skip):
                     next(it, None)
@@ -400,6 +448,46 @@ class PreparedDataLoader:
             if self._on_end is not None:
                 self._on_end(self)
 
+    def _dispatched(self, it: Iterator[Any], skip: int) -> Iterator[Any]:
+        """This process's slices of the batches process 0 reads from ``it``, by Accelerate's
+        ``DataLoaderDispatcher`` rules, after ``skip`` of them.
+
+        Each round, process 0 concatenates the next ``W`` batches (one with ``split_batches``)
+        and sends the result to all; process ``p`` keeps rows ``[p*n//W, (p+1)*n//W)``. Without
+        ``drop_last``, a last round short of whole batches is concatenated as it is, and one whose
+        rows do not divide by ``W`` is filled up with the first ``W`` rows of the epoch's first round.
+        """
+        w, rank, drop_last = self._world_size, self._rank, bool(self.drop_last)
+        take = 1 if self._split else w
+
+        def fetch() -> Any:
+            box: list[Any] = [None]
+            if rank == 0:
+                parts = list(itertools.islice(it, take))
+                if parts and (len(parts) == take or not drop_last):
+                    box[0] = _concatenate(parts)
+            torch.distributed.broadcast_object_list(box, src=0)
+            return box[0]
+
+        first, index = None, 0
+        self._dispatch_remainder = 0
+        current = fetch()
+        while current is not None:
+            nxt = fetch()
+            if first is None and not drop_last:
+                first = tree_map(lambda t: t[:w] if isinstance(t, torch.Tensor) else t, current)
+            rows = _rows(current)
+            per = rows // w
+            if nxt is None:
+                if not drop_last and rows % w:
+                    current, per = _concatenate([current, first]), per + 1
+                self._dispatch_remainder = per * w - rows
+            if index >= skip:
+                yield tree_map(lambda t, lo=rank * per, hi=(rank + 1) * per:
+                               t[lo:hi] if isinstance(t, torch.Tensor) else t, current)
+            index += 1
+            current = nxt
+
     def _move(self, batch: Any) -> Any:
         if self.device is None:
             return batch
@@ -408,6 +496,29 @@ class PreparedDataLoader:
 
 
 _END = object()
+
+
+def _concatenate(batches: list[Any]) -> Any:
+    """The batches' tensors joined along the first dimension, in the batches' structure."""
+    def cat(*leaves: Any) -> Any:
+        if not all(isinstance(t, torch.Tensor) for t in leaves):
+            raise TypeError(f"dispatch_batches=True joins batches of tensors only, got {type(leaves[0]).__name__}: "
+                            "use dispatch_batches=False (each process reads its own batches), or a collate_fn "
+                            "that returns tensors")
+        try:
+            return torch.cat(leaves, dim=0)
+        except RuntimeError as e:
+            raise RuntimeError(f"dispatch_batches=True joins the batches of one round, and these differ in shape "
+                               f"({e}); use dispatch_batches=False or split_batches=True") from e
+    return tree_map(cat, batches[0], *batches[1:]) if len(batches) > 1 else batches[0]
+
+
+def _rows(batch: Any) -> int:
+    """The first dimension of the first tensor in ``batch``."""
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    raise TypeError("dispatch_batches=True needs batches holding tensors with a batch dimension")
 
 
 def _draw() -> int:

@@ -5,6 +5,7 @@ and the rest of the Accelerator's public names."""
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -292,28 +293,41 @@ def test_the_remaining_accelerator_names_answer_as_accelerate_does_without_their
 
 
 # -- the same batches as Accelerate for the same seed ----------------------------------------------------
-def _orders(lib: str, mode: str, nproc: int) -> list[dict]:
+MODES = ["plain", "seedable", "uneven", "split", "dispatch", "dispatch_split", "iterable"]
+
+
+@functools.cache
+def _orders(lib: str, nproc: int) -> dict[str, list[str]]:
+    """Every mode's line from each process, one launch per library and number of processes."""
     from toys import SCRIPTS, torchrun
 
     script = SCRIPTS / "batch_order.py"
-    cmd = torchrun(script, lib, mode, nproc=nproc) if nproc > 1 else [sys.executable, str(script), lib, mode]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+    modes = ",".join(MODES)
+    cmd = torchrun(script, lib, modes, nproc=nproc) if nproc > 1 else [sys.executable, str(script), lib, modes]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    found = sorted(line[line.index("ORDER "):] for line in proc.stdout.splitlines() if "ORDER " in line)
-    assert len(found) == nproc, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return found
+    found: dict[str, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        if "ORDER " in line:
+            line = line[line.index("ORDER "):]
+            found.setdefault(json.loads(line.split(" ", 2)[2])["mode"], []).append(line)
+    assert all(len(found.get(m, [])) == nproc for m in MODES), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {m: sorted(lines) for m, lines in found.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-@pytest.mark.parametrize("mode", ["plain", "seedable", "uneven", "split"])
+@pytest.mark.parametrize("mode", MODES)
 def test_a_prepared_loader_gives_accelerates_batches_index_for_index(mode, nproc):
     """Shuffled, three epochs, 11 samples in batches of 3 (the last round padded on 2 processes,
-    or not with even_batches=False), or of 4 split over the processes: every process's batches,
-    and torch's RNG after them, are Accelerate's for the same seed."""
-    theirs, ours = _orders("accelerate", mode, nproc), _orders("mixprec", mode, nproc)
+    or not with even_batches=False), or of 4 split over the processes; sharded or dispatched from
+    process 0; or an IterableDataset (dispatched): every process's batches, what
+    gather_for_metrics gives, the length, and torch's RNG after them are Accelerate's for the same
+    seed, and the prepared loader is a DataLoader."""
+    theirs, ours = _orders("accelerate", nproc)[mode], _orders("mixprec", nproc)[mode]
     assert len(ours) == nproc and ours == theirs, (theirs, ours)
+    assert all(json.loads(line.split(" ", 2)[2])["is_dataloader"] for line in ours)
 
 
 @pytest.mark.slow

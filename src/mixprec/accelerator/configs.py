@@ -79,9 +79,10 @@ class DataLoaderConfiguration:
     Args:
         split_batches: each batch of the original loader is split over the processes (its
             batch size must divide by their number) instead of each process drawing its own.
-        dispatch_batches: accepted for compatibility; every process reads its own batches, in the
-            order it has without dispatching (Accelerate's dispatcher shuffles with process 0's
-            RNG and broadcasts: another order for the same seed).
+        dispatch_batches: process 0 alone reads the original loader, joins one batch per process
+            (one batch with ``split_batches``) and sends every process its slice, as Accelerate's
+            ``DataLoaderDispatcher`` does (the same batches for the same seed). ``None``: dispatch
+            an ``IterableDataset``, shard the batches of any other dataset.
         even_batches: pad the last round with samples from the start so every process gets a
             batch (``gather_for_metrics`` drops the duplicates). ``False``: no padding, some
             processes get one batch fewer (wrap the loop in ``Accelerator.join_uneven_inputs``).

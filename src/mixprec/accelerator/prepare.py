@@ -242,15 +242,18 @@ class Preparer:
         """
         # The shuffle order as Accelerate's prepared loader gives it for the same seed: with
         # use_seedable_sampler (or a data_seed), seed + epoch; in one process, torch's RandomSampler
-        # drawing from the global RNG at each epoch; in several, one generator seeded by a draw at
-        # prepare time, rank 0's, that runs on from epoch to epoch.
+        # drawing from the global RNG at each epoch (dispatched: process 0's); in several, one
+        # generator seeded by a draw at prepare time, rank 0's, that runs on from epoch to epoch.
         needs_seed = isinstance(dataloader.sampler, torch.utils.data.RandomSampler) and (
             dataloader.sampler.generator is None and dataloader.generator is None)
         config = self.dataloader_config
+        # Accelerate's default: dispatch an IterableDataset's batches from process 0.
+        dispatch = (config.dispatch_batches if config.dispatch_batches is not None
+                    else isinstance(dataloader.dataset, torch.utils.data.IterableDataset))
         if config.use_seedable_sampler or config.data_seed is not None:
             shuffle = "seedable"
             seed = int(config.data_seed) if config.data_seed is not None else torch.initial_seed()
-        elif self.state.num_processes == 1:
+        elif self.state.num_processes == 1 or dispatch:
             shuffle, seed = "per_epoch", 0
         else:
             shuffle = "continue"
@@ -262,7 +265,7 @@ class Preparer:
                                       on_end=self.gradient_state._remove_dataloader,
                                       non_blocking=config.non_blocking, resume_position=config.use_stateful_dataloader,
                                       shuffle=shuffle, split_batches=config.split_batches,
-                                      even_batches=config.even_batches)
+                                      even_batches=config.even_batches, dispatch_batches=dispatch)
         if checkpoint:
             self.prepared.dataloaders.append(prepared)
         return self._mark_prepared(prepared)
