@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default
 
 from mixprec.nested import tree_leaves, tree_map
 
-__all__ = ["send_to_device", "collate", "PreparedDataLoader"]
+__all__ = ["send_to_device", "collate", "PreparedDataLoader", "IterableLoader"]
 
 
 def send_to_device(batch: Any, device: torch.device, non_blocking: bool = False, float_dtype: torch.dtype | None = None) -> Any:
@@ -426,27 +426,11 @@ class PreparedDataLoader(DataLoader):
         self.end_of_dataloader = False
         self._in_epoch = True
         it = super().__iter__()
-        try:
-            if self._dispatch:
-                it, skip = self._dispatched(it, skip), 0
-            if self._sharder is None:  # no sampler to skip in: load the batches and drop them
-                for _ in range(skip):
-                    next(it, None)
-            current = next(it, _END)
-            while current is not _END:
-                nxt = next(it, _END)
-                # Looking one batch ahead tells whether this is the last: accumulate() and
-                # gather_for_metrics need to know before the batch is used.
-                self.end_of_dataloader = nxt is _END
-                self.batches_yielded += 1
-                yield self._move(current)
-                current = nxt
-            self.end_of_dataloader = True
-            self._in_epoch = False
-            self.epoch += 1
-        finally:
-            if self._on_end is not None:
-                self._on_end(self)
+        if self._dispatch:
+            it, skip = self._dispatched(it, skip), 0
+        if self._sharder is not None:
+            skip = 0  # skipped in the sampler already
+        yield from _epoch(self, it, skip)
 
     def _dispatched(self, it: Iterator[Any], skip: int) -> Iterator[Any]:
         """This process's slices of the batches process 0 reads from ``it``, by Accelerate's
@@ -496,6 +480,99 @@ class PreparedDataLoader(DataLoader):
 
 
 _END = object()
+
+
+def _epoch(loader: Any, it: Iterator[Any], skip: int) -> Iterator[Any]:
+    """``it``'s batches after the first ``skip``, on ``loader``'s device, with ``loader``'s
+    ``end_of_dataloader`` set before the last is yielded and ``batches_yielded`` counted; the epoch
+    count moves on when ``it`` is exhausted, and ``loader._on_end`` runs however the loop ends."""
+    try:
+        for _ in range(skip):  # no sampler to skip in: load the batches and drop them
+            next(it, None)
+        current = next(it, _END)
+        while current is not _END:
+            nxt = next(it, _END)
+            # Looking one batch ahead tells whether this is the last: accumulate() and
+            # gather_for_metrics need to know before the batch is used.
+            loader.end_of_dataloader = nxt is _END
+            loader.batches_yielded += 1
+            yield loader._move(current)
+            current = nxt
+        loader.end_of_dataloader = True
+        loader._in_epoch = False
+        loader.epoch += 1
+    finally:
+        if loader._on_end is not None:
+            loader._on_end(loader)
+
+
+class IterableLoader:
+    """Any iterable of batches (what an overridden ``Trainer.get_train_dataloader`` may return),
+    with what a training loop reads from a prepared dataloader: batches on the device, the epoch
+    and the position in it (``batches_yielded``; a restored position is reached by skipping
+    batches), ``end_of_dataloader``. Nothing is sharded: the iterable is iterated as it is, and
+    other attributes are the iterable's own.
+    """
+
+    remainder = 0  # nothing is padded
+
+    def __init__(self, iterable: Any, *, device: torch.device | None, float_dtype: torch.dtype | None = None,
+                 on_iter=None, on_end=None, non_blocking: bool | None = None) -> None:
+        self.base_dataloader = iterable
+        self.device, self.float_dtype, self.non_blocking = device, float_dtype, non_blocking
+        self._on_iter, self._on_end = on_iter, on_end
+        self.epoch = self.batches_yielded = self._skip = 0
+        self.end_of_dataloader = self._in_epoch = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "base_dataloader":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.base_dataloader, name)
+
+    def __len__(self) -> int:
+        return len(self.base_dataloader)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make ``epoch`` the next epoch, and tell the iterable if it wants to know."""
+        self.epoch = epoch
+        if hasattr(self.base_dataloader, "set_epoch"):
+            self.base_dataloader.set_epoch(epoch)
+
+    def skip_batches(self, n: int) -> None:
+        """Start the next epoch at batch ``n`` (the ones before are read and dropped)."""
+        if n < 0:
+            raise ValueError(f"the number of batches to skip must be >= 0, got {n}")
+        self._skip = n
+
+    def batch_indices(self, position: int) -> None:
+        """``None``: an iterable does not tell which samples a batch holds."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch and the batches yielded in it."""
+        return {"epoch": self.epoch, "batches_yielded": self.batches_yielded if self._in_epoch else 0}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue at the saved epoch, at the batch after the last one yielded."""
+        self.epoch = int(state["epoch"])
+        self.skip_batches(int(state["batches_yielded"]))
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._on_iter is not None:
+            self._on_iter(self)
+        skip, self._skip = self._skip, 0
+        self.batches_yielded, self.end_of_dataloader, self._in_epoch = skip, False, True
+        yield from _epoch(self, self._outermost(iter(self.base_dataloader)), skip)
+
+    def _outermost(self, it: Iterator[Any]) -> Iterator[Any]:
+        # A prepared loader iterated inside (a chain of loaders) registers as the active one; the
+        # batches are this iterable's, and so is the end that syncs gradients: take the place back.
+        for batch in it:
+            if self._on_iter is not None:
+                self._on_iter(self)
+            yield batch
+
+    _move = PreparedDataLoader._move
 
 
 def _concatenate(batches: list[Any]) -> Any:

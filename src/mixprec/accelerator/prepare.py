@@ -28,7 +28,7 @@ from mixprec.accelerator.wrappers import (
     PreparedDDP,
     patch_forward,
 )
-from mixprec.data import PreparedDataLoader
+from mixprec.data import IterableLoader, PreparedDataLoader
 from mixprec.diagnostics.monitor import DiagnosticsConfig, Monitor
 from mixprec.distributed import groups as D
 from mixprec.distributed.fsdp import FullyShardedDataParallelPlugin, shard_model
@@ -270,6 +270,20 @@ class Preparer:
             self.prepared.dataloaders.append(prepared)
         return self._mark_prepared(prepared)
 
+    def prepare_iterable(self, iterable: Any, *, checkpoint: bool = True) -> IterableLoader:
+        """Any iterable of batches as a loop reads a prepared dataloader (batches on the device,
+        ``end_of_dataloader`` for ``accumulate``, the position saved and restored), not sharded:
+        what the Trainer makes of an overridden ``get_train_dataloader`` returning something other
+        than a prepared loader (transformers iterates such a loader as it is too)."""
+        device = self.state.device if self.device_placement else None
+        wrapped = IterableLoader(iterable, device=device, float_dtype=self.current_precision().input_dtype,
+                                 on_iter=self.gradient_state._add_dataloader,
+                                 on_end=self.gradient_state._remove_dataloader,
+                                 non_blocking=self.dataloader_config.non_blocking)
+        if checkpoint:
+            self.prepared.dataloaders.append(wrapped)
+        return wrapped
+
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """Start ``dataloader``'s next epoch at batch ``num_batches``, without loading the ones before.
 
@@ -277,7 +291,7 @@ class Preparer:
         :meth:`load_state` the dataloader already resumes at the saved batch; calling this sets
         the start instead of adding to it.
         """
-        if not isinstance(dataloader, PreparedDataLoader):
+        if not isinstance(dataloader, (PreparedDataLoader, IterableLoader)):
             raise TypeError(f"skip_first_batches() takes a dataloader returned by prepare(), got "
                             f"{type(dataloader).__name__}; call accelerator.prepare(dataloader) first")
         dataloader.skip_batches(num_batches)
