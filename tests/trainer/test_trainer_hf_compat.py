@@ -223,7 +223,10 @@ def test_checkpoints_hold_hugging_face_files_beside_the_manifest_and_resume(tmp_
     weights = safetensors.torch.load_file(str(ckpt / "model.safetensors"))
     assert set(weights) == {"a", "b"}
     if hasattr(os, "link"):  # the same bytes as the Accelerator's file: a hard link, not a second copy
-        assert os.stat(ckpt / "optimizer.pt").st_ino == os.stat(ckpt / "optimizer_0.bin").st_ino
+        assert os.stat(ckpt / "model.safetensors").st_ino == os.stat(ckpt / "model_0.safetensors").st_ino
+    # transformers' two parameter groups (mixprec's one, with weight_decay=0, regrouped): its Trainer loads it.
+    assert [len(g["params"]) for g in torch.load(ckpt / "optimizer.pt", weights_only=True)["param_groups"]] == [2, 0]
+
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and "skipped_steps" not in state  # Hugging Face's fields only
     assert state["stateful_callbacks"]["TrainerControl"]["args"]["should_save"] is True

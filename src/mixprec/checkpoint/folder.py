@@ -11,6 +11,7 @@ the files it reads (:class:`CheckpointReader`), reading tensors with safetensors
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -324,20 +325,35 @@ class CheckpointReader:
                                   f"altered or damaged on disk; {_FIX}")
 
 
-def load_tensor_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+def load_tensor_file(path: str | os.PathLike, map_location: Any = "cpu", *, numpy_arrays: bool = False) -> Any:
     """``torch.load(path, weights_only=True)``, with a refusal that names the file.
+
+    Args:
+        numpy_arrays: also admit NumPy arrays and dtypes (what transformers' ``rng_state.pth``
+            holds: ``np.random.get_state()``), as transformers reads that file; still nothing
+            that runs code.
 
     Raises:
         CheckpointError: if the file holds anything but tensors and plain containers (a pickle
             that would run code is refused before it runs).
     """
+    allowed = torch.serialization.safe_globals(_numpy_globals()) if numpy_arrays else contextlib.nullcontext()
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with allowed:
+            return torch.load(path, map_location=map_location, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, ValueError, EOFError) as e:
         raise CheckpointError(
             f"refusing to load {path}: it holds more than tensors and plain values, or is damaged "
             f"(torch.load(weights_only=True) said: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
         ) from None
+
+
+def _numpy_globals() -> list[Any]:
+    """The NumPy names an array's pickle refers to (rebuilding an array runs no user code)."""
+    import numpy as np
+
+    core = np._core if hasattr(np, "_core") else np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def rng_state() -> dict[str, Any]:

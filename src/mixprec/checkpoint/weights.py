@@ -1,6 +1,7 @@
 """A model's weights as Hugging Face's loaders read them: ``model.safetensors`` (or
 ``pytorch_model.bin``), split above ``max_shard_size`` into numbered shards with an index; each
-file written atomically."""
+file written atomically, and read back (whole or sharded, safetensors or ``torch.load`` with
+``weights_only=True``: nothing in them runs)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-__all__ = ["parse_size", "save_model_weights", "untied"]
+from mixprec.checkpoint.folder import load_tensor_file
+
+__all__ = ["WEIGHTS_NAMES", "find_weights", "load_model_weights", "parse_size", "save_model_weights", "untied"]
+
+#: The weights files Hugging Face writes, in the order its loaders look for them.
+WEIGHTS_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
 
 
 def parse_size(size: int | str) -> int:
@@ -80,3 +87,58 @@ def save_model_weights(model: torch.nn.Module, directory: Path, *, max_shard_siz
     tmp = index.with_name(f".{index.name}.tmp")
     tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     os.replace(tmp, index)
+
+
+def find_weights(folder: Path) -> list[Path]:
+    """The files holding the model's weights in ``folder``, as Hugging Face writes them: the first
+    of :data:`WEIGHTS_NAMES` there, an index replaced by the shards it names (each once, in order).
+
+    Raises:
+        FileNotFoundError: none of them is there, or an index names a shard that is not.
+        ValueError: an index that is not Hugging Face's (no ``weight_map``), or names a file outside ``folder``.
+    """
+    folder = Path(folder)
+    for name in WEIGHTS_NAMES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if not name.endswith(".index.json"):
+            return [path]
+        weight_map = json.loads(path.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{path} has no 'weight_map': it is not a Hugging Face weights index")
+        shards = []
+        for shard in dict.fromkeys(weight_map.values()):
+            if not isinstance(shard, str) or Path(shard).name != shard:
+                raise ValueError(f"{path} names {shard!r}, which is not a file beside it")
+            if not (folder / shard).is_file():
+                raise FileNotFoundError(f"{folder / shard} is missing: {path} names it")
+            shards.append(folder / shard)
+        return shards
+    raise FileNotFoundError(f"{folder} holds no model weights ({', '.join(WEIGHTS_NAMES)})")
+
+
+def load_model_weights(model: torch.nn.Module, folder: Path, device: str | torch.device = "cpu") -> tuple[list[str], list[str]]:
+    """Load the weights Hugging Face wrote in ``folder`` (:func:`find_weights`) into ``model``, one
+    file at a time (a sharded model is never whole in memory twice). Returns the model's keys no
+    file held, and the files' keys the model lacks; a tied weight stored once (under the name
+    of its first alias) is not missing.
+
+    Raises:
+        CheckpointError: a ``.bin`` file that holds anything but tensors.
+    """
+    expected = model.state_dict()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in find_weights(folder):
+        if path.suffix == ".safetensors":
+            tensors = safetensors.torch.load_file(str(path), device=str(device))
+        else:
+            tensors = load_tensor_file(path, map_location=device)
+        unexpected += [k for k in tensors if k not in expected]
+        model.load_state_dict({k: v for k, v in tensors.items() if k in expected}, strict=False)
+        loaded.update(k for k in tensors if k in expected)
+    stored = {(t.untyped_storage().data_ptr(), t.storage_offset()) for k, t in expected.items() if k in loaded}
+    missing = [k for k, t in expected.items() if k not in loaded
+               and not (t.numel() and (t.untyped_storage().data_ptr(), t.storage_offset()) in stored)]
+    return missing, unexpected

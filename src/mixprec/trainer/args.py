@@ -125,6 +125,9 @@ class TrainingArguments:
     save_strategy: str = "steps"
     save_steps: float = 500
     save_total_limit: int | None = None
+    #: transformers 4's field (5 always writes safetensors): ``False`` writes checkpoints' and
+    #: ``save_model``'s weights as ``pytorch_model.bin``.
+    save_safetensors: bool = True
     logging_strategy: str = "steps"
     logging_steps: float = 500
     logging_first_step: bool = False

@@ -1,20 +1,27 @@
 """The Trainer's checkpoint folders: ``output_dir/checkpoint-{step}``, written, found, rotated, resumed.
 
 A folder holds the Accelerator's state (what a bit-for-bit resume needs, verified by its
-manifest) and, beside it, the files Hugging Face's tools expect: ``model.safetensors`` (and
-``config.json`` for a Hugging Face model, so ``from_pretrained("out/checkpoint-N")`` loads it),
-``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``trainer_state.json``, ``training_args.bin``.
-Where one is the same bytes as a file the Accelerator wrote it is a hard link to it (no second
-copy on disk). The Accelerator's one atomic commit writes the whole folder: the Hugging Face
-names are added in its staging folder, before the commit.
+manifest) and, beside it, the files Hugging Face's Trainer writes and reads: the weights
+(``model.safetensors``, or with ``save_safetensors=False`` ``pytorch_model.bin``; a Hugging Face
+model's through its ``save_pretrained``, so ``config.json`` is there and weights above its
+``max_shard_size`` are split into ``model-0000i-of-0000n.safetensors`` with an index),
+``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state.pth``, ``trainer_state.json``,
+``training_args.bin``: transformers' Trainer resumes it. Where one is the same bytes as a file the
+Accelerator wrote it is a hard link to it (no second copy on disk). The Accelerator's one atomic
+commit writes the whole folder: the Hugging Face names are added in its staging folder, before the
+commit. Folders transformers' Trainer wrote resume too (:mod:`mixprec.trainer.transformers_checkpoints`).
 """
 
 from __future__ import annotations
 
+import filecmp
 import os
 import shutil
 from pathlib import Path
 from typing import Any
+
+import safetensors.torch
+import torch
 
 from mixprec.checkpoint.folder import (
     MANIFEST,
@@ -25,14 +32,19 @@ from mixprec.checkpoint.folder import (
     rotate_checkpoints,
     verify_checkpoint,
 )
+from mixprec.checkpoint.weights import find_weights, load_model_weights, save_model_weights
+from mixprec.trainer.callbacks import log
+from mixprec.trainer.transformers_checkpoints import is_transformers_checkpoint, report_weights_load
 
-__all__ = ["checkpoints_to_resume", "list_checkpoints", "newest_damaged_error", "rotate_checkpoints_of",
-           "verify_trainer_files", "weights_file", "write_trainer_checkpoint"]
+__all__ = ["checkpoints_to_resume", "list_checkpoints", "load_checkpoint_weights", "newest_damaged_error",
+           "rotate_checkpoints_of", "verify_trainer_files", "write_trainer_checkpoint"]
 
 STEM = "checkpoint-"
-# Hugging Face's name for the first file the Accelerator wrote in each role.
-_HF_NAMES = {"model": "model.safetensors", "optimizer": "optimizer.pt", "scheduler": "scheduler.pt",
-             "scaler": "scaler.pt"}
+# Hugging Face's name for the first file the Accelerator wrote in each role (the weights: see _save_weights).
+_HF_NAMES = {"optimizer": "optimizer.pt", "scheduler": "scheduler.pt", "scaler": "scaler.pt"}
+#: Where a single weights file is split, for weights mixprec writes itself (``pytorch_model.bin``):
+#: transformers' ``save_pretrained`` default.
+MAX_SHARD_SIZE = "50GB"
 
 
 def list_checkpoints(out: Path) -> list[Path]:
@@ -55,6 +67,10 @@ def checkpoints_to_resume(out: Path, resume: str | bool) -> list[Path]:
       loads and warns about each it skips); ``[]`` if there is none.
     - a path: that folder and no other.
 
+    A folder transformers' Trainer wrote (no mixprec manifest, its ``trainer_state.json`` and
+    weights: :func:`~mixprec.trainer.transformers_checkpoints.is_transformers_checkpoint`) is a
+    checkpoint too; it has no manifest to verify.
+
     Raises:
         ValueError: with Hugging Face's wording ("No valid checkpoint found in output directory",
             "Can't find a valid checkpoint at") where there is no checkpoint at all.
@@ -69,6 +85,8 @@ def checkpoints_to_resume(out: Path, resume: str | bool) -> list[Path]:
             raise ValueError(f"No valid checkpoint found in output directory ({out}): resume_from_checkpoint=True "
                              "needs a complete checkpoint-N folder there")
         newest = found[-1]
+        if is_transformers_checkpoint(newest):
+            return [newest]
         problem = checkpoint_problem(newest)
         if problem is not None:
             raise newest_damaged_error(out, newest, problem)
@@ -76,10 +94,13 @@ def checkpoints_to_resume(out: Path, resume: str | bool) -> list[Path]:
     path = Path(resume).expanduser()
     if not path.is_dir():
         raise ValueError(f"Can't find a valid checkpoint at {path}: the folder does not exist")
+    if is_transformers_checkpoint(path):
+        return [path]
     if not (path / MANIFEST).is_file():
-        raise ValueError(f"Can't find a valid checkpoint at {path}: it has no mixprec {MANIFEST} (a checkpoint "
-                         "written by another trainer, or half-written); mixprec resumes its own checkpoints; load the "
-                         "weights with from_pretrained and start a new run")
+        raise ValueError(f"Can't find a valid checkpoint at {path}: it has no mixprec {MANIFEST}, nor the "
+                         "trainer_state.json and model weights (model.safetensors, its shards and index, or "
+                         "pytorch_model.bin) of a checkpoint transformers' Trainer wrote (half-written, or not a "
+                         "checkpoint); resume from another checkpoint, or start a new run")
     problem = checkpoint_problem(path)
     if problem is not None:
         raise CheckpointError(problem)
@@ -118,12 +139,32 @@ def verify_trainer_files(checkpoint: Path) -> None:
     reader.verify()
 
 
-def weights_file(checkpoint: Path) -> Path:
-    """The model's safetensors file in a checkpoint folder."""
-    for name in ("model_0.safetensors", "model.safetensors"):
-        if (checkpoint / name).is_file():
-            return checkpoint / name
-    raise FileNotFoundError(f"{checkpoint} holds no model weights (model.safetensors)")
+def load_checkpoint_weights(model: torch.nn.Module, checkpoint: Path, device: torch.device | str) -> None:
+    """Load the model's weights of ``checkpoint`` into ``model`` (``load_best_model_at_end``).
+
+    A mixprec checkpoint: the Accelerator's ``model_0.safetensors`` (else Hugging Face's files
+    there), each checked against the manifest before it is read. A folder transformers' Trainer
+    wrote: ``model.safetensors``, its shards with their index, or ``pytorch_model.bin``
+    (``torch.load(weights_only=True)``), unverified (no manifest; said in a log line).
+
+    Raises:
+        CheckpointError: a file that is not the one the manifest lists, or a ``.bin`` holding more than tensors.
+        FileNotFoundError: no weights in ``checkpoint``.
+    """
+    checkpoint = Path(checkpoint)
+    if (checkpoint / MANIFEST).is_file():
+        reader = CheckpointReader(checkpoint)
+        if "model_0.safetensors" in reader.files:
+            reader.check("model_0.safetensors")
+            reader.verify()
+            safetensors.torch.load_model(model, str(checkpoint / "model_0.safetensors"), device=str(device))
+            return
+        reader.check([p.name for p in find_weights(checkpoint)])
+        reader.verify()
+    else:
+        log.warning("mixprec: %s has no mixprec %s (written by another trainer): its weights cannot be verified; "
+                    "reading them as tensors only", checkpoint, MANIFEST)
+    report_weights_load(checkpoint, *load_model_weights(model, checkpoint, device=device))
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -133,16 +174,50 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def write_trainer_checkpoint(accelerator: Any, final: Path, model: Any, extra_files: dict[str, str | bytes]) -> Path:
+def _is_hf_model(model: Any) -> bool:
+    return hasattr(model, "save_pretrained") and hasattr(getattr(model, "config", None), "save_pretrained")
+
+
+def _save_weights(folder: Path, model: Any, written: list[str], save_safetensors: bool) -> None:
+    """The weights under Hugging Face's names, as transformers' Trainer writes them: a Hugging Face
+    model's through its ``save_pretrained`` (config, ``model.safetensors`` or shards with their
+    index); a plain module's ``model.safetensors`` is the Accelerator's file, linked; with
+    ``save_safetensors=False``, ``pytorch_model.bin`` (shards above :data:`MAX_SHARD_SIZE`)."""
+    own = folder / written[0]
+    if not save_safetensors:
+        save_model_weights(model, folder, max_shard_size=MAX_SHARD_SIZE, safe_serialization=False)
+        if _is_hf_model(model):
+            model.config.save_pretrained(str(folder))  # config.json: from_pretrained(checkpoint) loads the model
+        return
+    if not _is_hf_model(model):
+        _link_or_copy(own, folder / "model.safetensors")
+        return
+    model.save_pretrained(str(folder))
+    single = folder / "model.safetensors"
+    # Most models' save_pretrained writes the very bytes the Accelerator wrote: one copy on disk, linked.
+    if single.is_file() and single.stat().st_size == own.stat().st_size and filecmp.cmp(single, own, shallow=False):
+        single.unlink()
+        _link_or_copy(own, single)
+
+
+def write_trainer_checkpoint(accelerator: Any, final: Path, model: Any, extra_files: dict[str, str | bytes], *,
+                             save_safetensors: bool = True, processing_class: Any = None,
+                             states: dict[str, Any] | None = None) -> Path:
     """Write ``final`` (``output_dir/checkpoint-N``) atomically, in one commit: the Accelerator's
-    state, ``extra_files`` (name -> text or bytes), and Hugging Face's file names; every process
-    calls it."""
+    state, ``extra_files`` (name -> text or bytes), and Hugging Face's files (:func:`_save_weights`,
+    the tokenizer or processor as transformers saves it; ``optimizer.pt`` and ``scheduler.pt``
+    are ``states`` where given, in transformers' parameter groups, else links to the
+    Accelerator's files); every process calls it."""
     def hugging_face_layout(folder: Path, written: dict[str, list[str]]) -> None:
+        if written.get("optimizer"):
+            for name, state in (states or {}).items():
+                torch.save(state, folder / name)
         for role, hf_name in _HF_NAMES.items():
             if written.get(role) and not (folder / hf_name).exists():
                 _link_or_copy(folder / written[role][0], folder / hf_name)
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(str(folder))  # config.json: from_pretrained(checkpoint) loads the model
+        if written.get("model"):  # (sharded models keep their DCP shards only)
+            _save_weights(folder, model, written["model"], save_safetensors)
+        if hasattr(processing_class, "save_pretrained"):
+            processing_class.save_pretrained(str(folder))
 
     return accelerator.save_state(final, extra_files=extra_files, finish=hugging_face_layout)

@@ -11,21 +11,28 @@ from typing import Any
 import torch
 
 from mixprec.trainer.callbacks import log
+from mixprec.trainer.checkpoints import MAX_SHARD_SIZE
 
 __all__ = ["args_bin", "save_model_files"]
 
 
 def save_model_files(accelerator: Any, model: torch.nn.Module, args: Any, processing_class: Any, out: Path) -> Path:
-    """Save ``model``'s weights into ``out`` (safetensors; ``save_pretrained`` for Hugging Face
-    models), the arguments (``training_args.json``, and ``training_args.bin`` as Hugging Face
-    writes it) and the tokenizer or processor beside them. Every process calls it."""
+    """Save ``model``'s weights into ``out`` as transformers' Trainer does (a Hugging Face model's
+    through ``save_pretrained``: its config, and ``model.safetensors`` or shards with their index
+    above its ``max_shard_size``; a plain module's ``model.safetensors``; with
+    ``args.save_safetensors=False``, ``pytorch_model.bin``), the arguments (``training_args.json``,
+    and ``training_args.bin`` as Hugging Face writes it) and the tokenizer or processor beside
+    them. Every process calls it."""
     model = accelerator.unwrap_model(model)
-    if hasattr(model, "save_pretrained") and hasattr(model, "config"):
+    safe = getattr(args, "save_safetensors", True)
+    if hasattr(model, "save_pretrained") and hasattr(model, "config") and safe:
         if accelerator.is_main_process:
-            model.save_pretrained(str(out), safe_serialization=True)
+            model.save_pretrained(str(out))
         accelerator.wait_for_everyone()
     else:
-        accelerator.save_model(model, out)
+        accelerator.save_model(model, out, max_shard_size=MAX_SHARD_SIZE, safe_serialization=safe)
+        if accelerator.is_main_process and hasattr(getattr(model, "config", None), "save_pretrained"):
+            model.config.save_pretrained(str(out))  # from_pretrained(out) loads the .bin with it
     if accelerator.is_main_process:
         args.to_json_file(out / "training_args.json")
         if pickled := args_bin(args):

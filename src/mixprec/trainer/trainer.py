@@ -15,7 +15,6 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import safetensors.torch
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
@@ -24,6 +23,7 @@ from mixprec.accelerator.configs import DataLoaderConfiguration
 from mixprec.accelerator.utils import set_seed
 from mixprec.checkpoint.folder import CheckpointError, checkpoint_problem
 from mixprec.checkpoint.lock import RunLock
+from mixprec.checkpoint.transformers_rng import set_transformers_rng_state
 from mixprec.diagnostics import precision_drift
 from mixprec.diagnostics.monitor import DiagnosticsConfig
 from mixprec.distributed import groups as D
@@ -40,10 +40,10 @@ from mixprec.trainer.callbacks import (
 )
 from mixprec.trainer.checkpoints import (
     checkpoints_to_resume,
+    load_checkpoint_weights,
     newest_damaged_error,
     rotate_checkpoints_of,
     verify_trainer_files,
-    weights_file,
     write_trainer_checkpoint,
 )
 from mixprec.trainer.datasets import collate, model_input_names, prepare_dataset
@@ -62,6 +62,13 @@ from mixprec.trainer.reporters import (
 )
 from mixprec.trainer.schedules import build_optimizer, decay_parameter_names, get_scheduler
 from mixprec.trainer.trainer_state import TrainerControl, TrainerState, export_states
+from mixprec.trainer.transformers_checkpoints import (
+    is_transformers_checkpoint,
+    load_transformers_checkpoint,
+    loss_total_from_history,
+    states_for_transformers,
+    transformers_rng_files,
+)
 
 __all__ = ["Trainer", "TrainOutput", "EvalPrediction", "PredictionOutput", "set_seed"]
 
@@ -348,9 +355,18 @@ class Trainer:
     def _load_checkpoint(self, candidates: list[Path], resume: str | bool, restarted: int) -> Path | None:
         """Restore the first of ``candidates`` that verifies and return it. ``"auto"`` skips a damaged
         one with a warning naming it and why (``None`` if none verifies: the run starts over);
-        otherwise a damaged checkpoint raises, ``True``'s naming the newest that verifies."""
+        otherwise a damaged checkpoint raises, ``True``'s naming the newest that verifies. A folder
+        transformers' Trainer wrote has no manifest to verify: it is read as tensors only
+        (:func:`load_transformers_checkpoint`), and ``self._transformers_resume`` holds its random
+        state (``{}`` without one) until the loop starts."""
         acc = self.accelerator
+        self._transformers_resume: dict[str, Any] | None = None
         for path in candidates:
+            if is_transformers_checkpoint(path):
+                rng = load_transformers_checkpoint(path, accelerator=acc, model=self.model, optimizer=self.optimizer,
+                                                   lr_scheduler=self.lr_scheduler)
+                self._transformers_resume = rng if rng is not None else {}
+                return path
             try:
                 problem = checkpoint_problem(path) if resume == "auto" else None
                 if problem is None:
@@ -412,13 +428,20 @@ class Trainer:
                                   train_batch_size=args.train_batch_size, is_world_process_zero=acc.is_main_process,
                                   is_local_process_zero=acc.local_process_index == 0, precision=acc.policy.name)
         self.state.compute_steps(args, max_steps)
+        self._transformers_resume = None
         resume_path = self._load_checkpoint(candidates, resume, restarted) if candidates else None
         if resume_path is not None:
             saved = TrainerState.load_from_json(resume_path / "trainer_state.json")
             # The run continues as saved, but for as long as *these* arguments say (as in Hugging Face).
             saved.max_steps, saved.num_train_epochs = max_steps, num_epochs
             saved.compute_steps(args, max_steps)
+            if saved.best_model_checkpoint is not None and not Path(saved.best_model_checkpoint).is_dir():
+                log.warning("mixprec: the best checkpoint %s recorded in the resumed state does not exist anymore; "
+                            "ignoring it for this run", saved.best_model_checkpoint)
+                saved.best_model_checkpoint = None
             self.state = saved
+            if self._transformers_resume is not None:
+                self._continue_transformers_run(train_dl, per_epoch)
             self._load_callback_state()
             if acc.is_main_process:  # the steps after the checkpoint are replayed: log each once
                 trim_logs_after(args.output_dir, saved.global_step)
@@ -443,10 +466,28 @@ class Trainer:
         self._event("on_train_begin")
         if args.eval_on_start:
             self.evaluate(ignore_keys=self._ignore_keys_for_eval)
+        if self._transformers_resume:  # where transformers sets it: as the first resumed batch is trained on
+            set_transformers_rng_state(self._transformers_resume, distributed=acc.num_processes > 1)
         epochs = range(train_dl.epoch, num_epochs) if self.state.global_step < max_steps else range(0)
         with Preemption() as self._preemption:
             self._epochs(model, train_dl, epochs, max_steps)
         return self._finish(start_time)
+
+    def _continue_transformers_run(self, train_dl: Any, per_epoch: int | None) -> None:
+        """After a resume from a checkpoint transformers' Trainer wrote (``self.state`` is its
+        ``trainer_state.json``): skip the batches it trained on, as it does (the first
+        ``global_step // per_epoch`` epochs, then ``global_step % per_epoch`` optimizer steps' worth
+        of batches of the next), and set what mixprec's own checkpoints would have restored."""
+        s, acc, ga = self.state, self.accelerator, self.args.gradient_accumulation_steps
+        epoch, steps = divmod(s.global_step, per_epoch) if per_epoch else (0, s.global_step)
+        position = train_dl.state_dict()  # the loader's own format: the epoch, and the batches already yielded
+        position.update(epoch=epoch, batches_yielded=steps * ga)
+        train_dl.load_state_dict(position)
+        acc.step, acc.optimizer_steps = steps * ga, s.global_step  # accumulate()'s count within the epoch
+        s.precision = acc.policy.name  # (no mixprec state: nothing fell back)
+        s.total_loss = loss_total_from_history(s.log_history, s.global_step)  # train_loss averages every step
+        log.info("mixprec: continuing a transformers run at step %d: epoch %d, skipping its first %d batches",
+                 s.global_step, epoch, steps * ga)
 
     def _epochs(self, model: torch.nn.Module, train_dl: Any, epochs: range, max_steps: int) -> None:
         acc = self.accelerator
@@ -719,7 +760,12 @@ class Trainer:
                  "training_args.json": self.args.to_json_string()}
         if pickled := args_bin(self.args):
             files["training_args.bin"] = pickled
-        write_trainer_checkpoint(self.accelerator, path, self.accelerator.unwrap_model(self.model), files)
+        files.update(transformers_rng_files(self.accelerator.process_index, self.accelerator.num_processes))
+        inner = self.accelerator.unwrap_model(self.model)
+        write_trainer_checkpoint(self.accelerator, path, inner, files, save_safetensors=self.args.save_safetensors,
+                                 processing_class=self.processing_class,
+                                 states=states_for_transformers(self.optimizer, self.lr_scheduler, inner)
+                                 if self.accelerator.is_main_process else None)
         if self.accelerator.is_main_process:
             rotate_checkpoints_of(out, self.args.save_total_limit, self.state.best_model_checkpoint)
         self._event("on_save")
@@ -732,9 +778,8 @@ class Trainer:
             s.total_loss += self.accelerator.reduce(self._loss_since_log, "mean").item()
         runtime = time.time() - start_time
         if self.args.load_best_model_at_end and s.best_model_checkpoint is not None:
-            safetensors.torch.load_model(self.accelerator.unwrap_model(self.model),
-                                         str(weights_file(Path(s.best_model_checkpoint))),
-                                         device=str(self.accelerator.device))
+            load_checkpoint_weights(self.accelerator.unwrap_model(self.model), Path(s.best_model_checkpoint),
+                                    self.accelerator.device)
         metrics = {"train_runtime": round(runtime, 4),
                    "train_samples_per_second": round(s.global_step * self.get_total_train_batch_size(self.args)
                                                      / max(runtime, 1e-9), 3),
