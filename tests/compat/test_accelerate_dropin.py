@@ -189,6 +189,7 @@ def test_a_prepared_model_returns_fp32_outputs_under_bf16_as_accelerates_does():
     from accelerate.state import AcceleratorState
 
     seen = []
+    AcceleratorState._reset_state(reset_partial_state=True)  # what an earlier test's Accelerator left
     try:
         for lib in (accelerate, mixprec):
             torch.manual_seed(0)

@@ -71,3 +71,27 @@ def test_tf32_without_a_gpu_that_has_it_is_refused_as_by_transformers():
         transformers.TrainingArguments(output_dir="o", tf32=True)
     with pytest.raises(ValueError, match="Ampere"):
         mixprec.TrainingArguments(output_dir="o", tf32=True)
+
+
+@pytest.mark.parametrize("kwargs", [dict(output_dir="o", report_to="none"),
+                                    dict(output_dir="o", report_to="none", accelerator_config={"split_batches": True},
+                                         debug="underflow_overflow", include_for_metrics=["loss"],
+                                         gradient_checkpointing=True, hub_token="secret")])
+def test_to_dict_to_json_string_and_to_sanitized_dict_give_transformers_values(kwargs):
+    import json
+
+    theirs, ours = _both(kwargs)
+    differ_on_purpose = {"optim"}  # (the README's table of deliberate differences)
+    for method in ("to_dict", "to_sanitized_dict"):
+        mine, hf = getattr(ours, method)(), getattr(theirs, method)()
+        assert {k: mine[k] for k in hf if k not in differ_on_purpose} == {
+            k: v for k, v in hf.items() if k not in differ_on_purpose}, method
+    assert json.loads(ours.to_json_string()) == ours.to_dict() and ours.to_dict()["hub_token"] == "<HUB_TOKEN>"
+
+
+def test_accelerator_config_debug_and_report_to_are_checked_with_the_valid_choices_named():
+    for kwargs, match in [(dict(accelerator_config={"split_batch": True}), "split_batches"),
+                          (dict(debug="tpu_metrics_debug"), "TPU"), (dict(debug="nope"), "underflow_overflow"),
+                          (dict(report_to="neptune"), "wandb"), (dict(include_for_metrics=["labels"]), "inputs")]:
+        with pytest.raises(ValueError, match=match):
+            mixprec.TrainingArguments(output_dir="o", **kwargs)

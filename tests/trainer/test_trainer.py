@@ -239,7 +239,7 @@ def test_early_stopping_stops(tmp_path):
     (dict(precision="bf16", fp16=True), "contradicts"),
     (dict(per_device_train_batch_size=0), "per_device_train_batch_size must be"),
     (dict(warmup_ratio=1.5), "warmup_ratio"),
-    (dict(report_to="wandb"), "report_to"),
+    (dict(report_to="wandbb"), "report_to"),
     (dict(bf16_true_compensation="kahn"), "'kahan', 'stochastic', 'none'"),
     (dict(bf16_true_state_dtype="fp16"), "'fp32', 'bf16'"),
 ])

@@ -79,7 +79,8 @@ def test_arguments_subclass_with_a_plain_dataclass_take_output_dir_first_and_can
 @pytest.mark.parametrize("kwargs, match", [
     (dict(push_to_hub=True), r"push_to_hub=True is not supported .*leave push_to_hub at its default False"),
     (dict(deepspeed="ds.json"), "deepspeed='ds.json' is not supported"),
-    (dict(report_to=["wandb"]), "report_to='wandb' is not valid"),
+    (dict(report_to=["neptune"]), "report_to='neptune': that integration is not part of mixprec"),
+    (dict(report_to=["wandbb"]), "report_to='wandbb' is not valid; choose one of: .*'wandb'"),
     (dict(logging_steps=2.5), r"logging_steps=2.5: above 1 it must be a whole number"),
     (dict(save_steps=0), "save_steps must be an int >= 1, or a fraction"),
 ])
@@ -207,7 +208,10 @@ def test_batch_eval_metrics_calls_compute_metrics_per_batch_and_the_last_call_is
     assert trainer.predict(line_data(16, seed=1)).predictions.shape == (16,)
     trainer.eval_dataset = {"small": line_data(8, seed=2)}
     seen.clear()
-    assert trainer.evaluate("small")["eval_small_batches"] == 1  # a dict's dataset, by name
+    # A dict's dataset by name: transformers' prefix ("eval"), and each dataset's name when all are evaluated.
+    assert trainer.evaluate("small")["eval_batches"] == 1
+    seen.clear()
+    assert trainer.evaluate()["eval_small_batches"] == 1
 
 
 # -- checkpoints -------------------------------------------------------------------------------
@@ -226,7 +230,6 @@ def test_checkpoints_hold_hugging_face_files_beside_the_manifest_and_resume(tmp_
         assert os.stat(ckpt / "model.safetensors").st_ino == os.stat(ckpt / "model_0.safetensors").st_ino
     # transformers' two parameter groups (mixprec's one, with weight_decay=0, regrouped): its Trainer loads it.
     assert [len(g["params"]) for g in torch.load(ckpt / "optimizer.pt", weights_only=True)["param_groups"]] == [2, 0]
-
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and "skipped_steps" not in state  # Hugging Face's fields only
     assert state["stateful_callbacks"]["TrainerControl"]["args"]["should_save"] is True

@@ -30,6 +30,7 @@ from mixprec.accelerator.handlers import DDPCommunicationHookType, read_kwargs_h
 from mixprec.accelerator.prepare import PreparedObjects, Preparer
 from mixprec.accelerator.processes import PROCESS_API, Processes, expose
 from mixprec.accelerator.state import AcceleratorState, DistributedType, GradientState
+from mixprec.accelerator.utils import gather_object
 from mixprec.accelerator.wrappers import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
@@ -42,7 +43,7 @@ from mixprec.distributed import groups as D
 from mixprec.distributed.fsdp import FullyShardedDataParallelPlugin, is_sharded
 from mixprec.distributed.preemption import Preemption
 from mixprec.hardware import default_device
-from mixprec.nested import tree_map
+from mixprec.nested import tree_leaves, tree_map
 from mixprec.precision import (
     PrecisionConfig,
     PrecisionPlugin,
@@ -743,13 +744,17 @@ class Accelerator:
         """Concatenate ``tensor`` (or nested dicts/lists of tensors) from all processes on dim 0."""
         return D.gather(tensor)
 
-    def gather_for_metrics(self, input_data: Any) -> Any:
-        """:meth:`gather`, dropping the duplicates that padded the last uneven batch round."""
-        data = D.gather(input_data)
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """:meth:`gather`, dropping the duplicates that padded the last uneven batch round.
+
+        ``use_gather_object`` (or data that is not all tensors): gather Python objects instead, as
+        :func:`~mixprec.accelerator.utils.gather_object` does (lists joined in rank order)."""
+        objects = use_gather_object or not all(isinstance(t, torch.Tensor) for t in tree_leaves(input_data))
+        data = gather_object(input_data) if objects else D.gather(input_data)
         dl = self.gradient_state.active_dataloader
         remainder = dl.remainder if (dl is not None and dl.end_of_dataloader) else 0
         if remainder:
-            data = _truncate(data, remainder)
+            data = data[: len(data) - remainder] if objects else _truncate(data, remainder)
         return data
 
     def reduce(self, tensor: Any, reduction: str = "sum") -> Any:

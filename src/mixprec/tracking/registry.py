@@ -17,7 +17,7 @@ from typing import Any
 from mixprec.tracking.base import GeneralTracker, LoggerType, missing_package
 from mixprec.tracking.trackers import BUILTIN_TRACKERS
 
-__all__ = ["TRACKER_CLASSES", "Trackers", "is_tracker", "register_tracker_class", "resolve_log_with",
+__all__ = ["TRACKER_CLASSES", "Trackers", "finish_trackers", "installed_tracker_names", "is_tracker", "register_tracker_class", "resolve_log_with",
            "start_trackers"]
 
 #: name -> tracker class, for every name ``log_with`` takes besides ``"all"`` (built-in and registered).
@@ -83,6 +83,11 @@ def _installed(cls: type[GeneralTracker]) -> bool:
     return bool(check()) if callable(check) else True
 
 
+def installed_tracker_names() -> list[str]:
+    """The built-in trackers whose package is installed here (what ``"all"`` stands for)."""
+    return [n for n in BUILTIN_TRACKERS if _installed(TRACKER_CLASSES[n])]
+
+
 def _check_dir(name: str, logging_dir: Any, via_all: bool = False) -> None:
     if TRACKER_CLASSES[name].requires_logging_directory and logging_dir is None:
         where = f"log_with='all' includes {name!r} (installed here), which" if via_all else f"log_with={name!r}"
@@ -121,7 +126,7 @@ def resolve_log_with(log_with: Any, logging_dir: str | os.PathLike[str] | None =
             continue
         name = _name(item)
         if name == str(LoggerType.ALL):
-            installed = [n for n in BUILTIN_TRACKERS if _installed(TRACKER_CLASSES[n])]
+            installed = installed_tracker_names()
             found_none_for_all = not installed
             for n in installed:
                 _check_dir(n, logging_dir, via_all=True)
@@ -142,7 +147,7 @@ def resolve_log_with(log_with: Any, logging_dir: str | os.PathLike[str] | None =
     return resolved
 
 
-def _finish_all(trackers: Sequence[Any]) -> None:
+def finish_trackers(trackers: Sequence[Any]) -> None:
     """``finish()`` every tracker, even after one fails; then raise the first failure."""
     first: BaseException | None = None
     for tracker in trackers:
@@ -212,7 +217,7 @@ def start_trackers(resolved: Sequence[str | GeneralTracker], project_name: str,
                 tracker.store_init_configuration(config)
     except BaseException:
         try:
-            _finish_all(started)
+            finish_trackers(started)
         except Exception:  # noqa: BLE001 - the first error is the one to report
             pass
         raise
@@ -276,7 +281,7 @@ class Trackers:
 
     def finish(self) -> None:
         """``finish()`` every tracker (each one even if another fails; the first failure is raised after)."""
-        _finish_all(self.trackers)
+        finish_trackers(self.trackers)
 
     def __iter__(self) -> Iterator[GeneralTracker]:
         """The running trackers."""

@@ -24,7 +24,14 @@ __all__ = ["TrainingArguments"]
 
 _STRATEGIES = ("no", "steps", "epoch")
 
-_REPORTERS = ("none", "jsonl", "tensorboard", "all")
+# mixprec's own loggers; every tracker of mixprec.tracking (wandb, mlflow, ...) is a report_to name too.
+_OWN_REPORTERS = ("none", "jsonl", "tensorboard", "all")
+# transformers' report_to names for integrations mixprec's tracking layer does not have.
+_NOT_INTEGRATED = ("azure_ml", "codecarbon", "dagshub", "flyte", "neptune")
+# Hugging Face's AcceleratorConfig fields: DataLoaderConfiguration's, and the accumulation's and state's.
+_ACCELERATOR_CONFIG = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
+                       "use_seedable_sampler": True, "non_blocking": False, "gradient_accumulation_kwargs": None}
+_DEBUG = ("underflow_overflow", "tpu_metrics_debug")
 _SAMPLING = ("random", "sequential")
 
 # Hugging Face fields for features mixprec does not have. They exist (code that reads them works)
@@ -36,24 +43,22 @@ _UNSUPPORTED = {
     "hub_model_id": "mixprec does not upload to the Hub", "hub_strategy": "mixprec does not upload to the Hub",
     "hub_always_push": "mixprec does not upload to the Hub", "hub_revision": "mixprec does not upload to the Hub",
     "deepspeed": "DeepSpeed is not integrated; mixprec shards with FSDP2 through torchrun",
-    "accelerator_config": "mixprec's Trainer builds a mixprec.Accelerator from these arguments",
     "parallelism_config": "mixprec runs data parallelism only",
     "use_liger_kernel": "Liger kernels are not integrated", "liger_kernel_config": "Liger kernels are not integrated",
-    "trackio_space_id": "trackio is not integrated; report_to='jsonl' or 'tensorboard'",
-    "trackio_bucket_id": "trackio is not integrated", "trackio_static_space_id": "trackio is not integrated",
+    "trackio_space_id": "trackio Spaces are not integrated (report_to='trackio' logs locally)",
+    "trackio_bucket_id": "trackio Spaces are not integrated", "trackio_static_space_id": "trackio Spaces are not integrated",
     "optim_target_modules": "optimizers such as GaLore are not integrated",
-    "auto_find_batch_size": "mixprec does not retry on out-of-memory errors",
-    "save_only_model": "a mixprec checkpoint always holds what a resume needs",
-    "save_on_each_node": "the main process writes each checkpoint", "enable_jit_checkpoint": "not implemented",
-    "ignore_data_skip": "a resume always continues at the saved batch",
-    "eval_do_concat_batches": "predictions are always concatenated",
-    "eval_use_gather_object": "predictions are gathered as tensors",
-    "include_for_metrics": "compute_metrics receives predictions and labels only",
-    "dataloader_in_order": "batches always come in order",
-    "debug": "debug modes (underflow_overflow, tpu_metrics_debug) are not implemented; mixprec's diagnostics_steps "
-             "and trace_overflow show where a model overflows",
+    "save_on_each_node": "the main process writes each checkpoint (to a filesystem every node sees)",
+    "save_only_model": "not implemented yet: a checkpoint holds what a resume needs; for the model alone call "
+                       "trainer.save_model(path)",
     "local_rank": "torchrun's LOCAL_RANK decides the device",
 }
+
+
+def _reporter_names() -> tuple[str, ...]:
+    from mixprec.tracking.registry import TRACKER_CLASSES
+
+    return (*_OWN_REPORTERS, *(n for n in TRACKER_CLASSES if n not in _OWN_REPORTERS))
 
 
 def _default(name: str) -> Any:
@@ -337,7 +342,15 @@ class TrainingArguments:
                              "dataloader_num_workers > 0, or leave dataloader_prefetch_factor unset")
         reporters = [self.report_to] if isinstance(self.report_to, str) else self.report_to
         for r in reporters:
-            _one_of("report_to", r, _REPORTERS)
+            if r in _NOT_INTEGRATED:
+                raise ValueError(f"report_to={r!r}: that integration is not part of mixprec; choose among "
+                                 f"{', '.join(map(repr, _reporter_names()))}, or add a TrainerCallback that logs to it")
+            _one_of("report_to", r, _reporter_names())
+        self.accelerator_config = self.accelerator_settings()
+        self.debug = self.debug_options()
+        self.include_for_metrics = [_plain(x) for x in self.include_for_metrics or []]
+        for x in self.include_for_metrics:
+            _one_of("include_for_metrics", x, ("inputs", "loss"))
         self._check_numbers()
         if self.fp16 and self.bf16:
             raise ValueError("fp16=True and bf16=True contradict each other; set only one (bf16 is the safer choice "
@@ -365,6 +378,8 @@ class TrainingArguments:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.label_names is not None:
             self.label_names = list(self.label_names)
+        # One switch under two names (transformers 5's new one and the old), set together as transformers sets them.
+        self.gradient_checkpointing = self.activation_checkpointing = self.should_checkpoint_activations
 
     def _check_save_is_multiple_of_eval(self) -> None:
         save, every = self.save_steps, self.eval_steps
@@ -486,11 +501,58 @@ class TrainingArguments:
 
     @property
     def reporters(self) -> set[str]:
-        """The loggers asked for, with ``"all"`` expanded."""
+        """The loggers asked for, with ``"all"`` expanded (as in transformers: every one installed here)."""
         asked = {self.report_to} if isinstance(self.report_to, str) else set(self.report_to)
         if "all" in asked:
-            return {"jsonl", "tensorboard"}
+            from mixprec.tracking.registry import installed_tracker_names
+
+            return {"jsonl", *installed_tracker_names()}
         return asked - {"none"}
+
+    def accelerator_settings(self) -> dict[str, Any]:
+        """``accelerator_config`` (a dict, a JSON file's path, or transformers' ``AcceleratorConfig``)
+        as a dict of every field of Hugging Face's ``AcceleratorConfig``, defaults filled in as
+        transformers fills them (``use_seedable_sampler=True``).
+
+        Raises:
+            ValueError: a key that is no field (the message lists them), or ``use_configured_state``
+                (mixprec's Trainer always builds its Accelerator from these arguments).
+        """
+        value = self.accelerator_config
+        if value is None:
+            return dict(_ACCELERATOR_CONFIG)
+        if isinstance(value, (str, os.PathLike)):
+            value = json.loads(Path(value).read_text())
+        elif dataclasses.is_dataclass(value):
+            value = dataclasses.asdict(value)
+        elif hasattr(value, "to_dict"):
+            value = value.to_dict()
+        if not isinstance(value, dict):
+            raise ValueError(f"accelerator_config must be a dict, a JSON file's path or an AcceleratorConfig, got "
+                             f"{type(value).__name__}")
+        value = dict(value)
+        if value.pop("use_configured_state", False):
+            raise ValueError("accelerator_config={'use_configured_state': True}: mixprec's Trainer builds its own "
+                             "Accelerator from these arguments; leave use_configured_state False")
+        unknown = sorted(set(value) - set(_ACCELERATOR_CONFIG))
+        if unknown:
+            raise ValueError(f"accelerator_config: unknown key(s) {unknown}; valid keys: "
+                             f"{[*_ACCELERATOR_CONFIG, 'use_configured_state']}")
+        return {**_ACCELERATOR_CONFIG, **value}
+
+    def debug_options(self) -> list[str]:
+        """``debug`` as a list of option names (a space-separated string or a list, as transformers takes it).
+
+        ``"underflow_overflow"`` turns on mixprec's overflow tracer (``trace_overflow``): the first
+        module whose output holds inf/NaN is named in the log. ``"tpu_metrics_debug"`` needs a TPU
+        and is refused."""
+        items = self.debug.split() if isinstance(self.debug, str) else [_plain(x) for x in self.debug or []]
+        for x in items:
+            _one_of("debug", x, _DEBUG)
+            if x == "tpu_metrics_debug":
+                raise ValueError("debug='tpu_metrics_debug' prints TPU metrics and mixprec does not run on TPUs; "
+                                 "leave it out")
+        return items
 
     def ddp_handlers(self) -> list[Any]:
         """The ``ddp_*`` settings as the Accelerator's handlers: DDP's ``find_unused_parameters``,
@@ -518,12 +580,34 @@ class TrainingArguments:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain values (JSON- and TOML-ready)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The fields as plain values (JSON- and TOML-ready), as transformers gives them: enum
+        members as their values, dtypes as their names (``"bfloat16"``), objects with a
+        ``to_dict`` as dicts, and every ``*_token`` masked (``"<HUB_TOKEN>"``)."""
+        def plain(v: Any) -> Any:
+            if isinstance(v, enum.Enum):
+                return v.value
+            if isinstance(v, torch.dtype):
+                return str(v).removeprefix("torch.")
+            if isinstance(v, (list, tuple)):
+                return [plain(x) for x in v]
+            if isinstance(v, dict):
+                return {k: plain(x) for k, x in v.items()}
+            if hasattr(v, "to_dict") and not isinstance(v, type):
+                return v.to_dict()
+            return v
+
+        d = {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init}
+        return {k: (f"<{k.upper()}>" if k.endswith("_token") else v) for k, v in d.items()}
 
     def to_json_string(self) -> str:
         """:meth:`to_dict` as indented JSON."""
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_sanitized_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` with the batch sizes, every value a bool, int, float or str (others as
+        their ``str``): what trackers record as the run's configuration (transformers' method)."""
+        d = {**self.to_dict(), "train_batch_size": self.train_batch_size, "eval_batch_size": self.eval_batch_size}
+        return {k: v if type(v) in (bool, int, float, str, torch.Tensor) else str(v) for k, v in d.items()}
 
     def to_json_file(self, path: str | os.PathLike) -> None:
         """Write :meth:`to_dict` as JSON."""
@@ -537,6 +621,8 @@ class TrainingArguments:
     @classmethod
     def from_dict(cls, values: dict[str, Any], *, source: str = "the arguments") -> TrainingArguments:
         """Build from a dict, refusing unknown keys with the list of valid ones."""
+        # to_dict masks every *_token ("<HUB_TOKEN>"): a masked one read back is no token.
+        values = {k: v for k, v in values.items() if not (k.endswith("_token") and v == f"<{k.upper()}>")}
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
             raise ValueError(f"unknown TrainingArguments key(s) {', '.join(map(repr, unknown))} in {source}; valid keys: "

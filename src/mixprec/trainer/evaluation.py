@@ -15,11 +15,23 @@ from mixprec.nested import tree_leaves, tree_map
 __all__ = ["EvalPrediction", "PredictionOutput", "evaluation_loop", "nested_concat", "predict_batch", "to_numpy"]
 
 
-class EvalPrediction(NamedTuple):
-    """What ``compute_metrics`` receives: numpy ``predictions`` and ``label_ids``."""
+class EvalPrediction:
+    """What ``compute_metrics`` receives: numpy ``predictions`` and ``label_ids`` and, with
+    ``include_for_metrics``, the model's main ``inputs`` and the per-sample ``losses``.
 
-    predictions: Any
-    label_ids: Any
+    Unpacks and indexes as transformers' does: ``predictions, label_ids = p`` (``inputs`` and
+    ``losses`` follow only where they were asked for).
+    """
+
+    def __init__(self, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None) -> None:
+        self.predictions, self.label_ids, self.inputs, self.losses = predictions, label_ids, inputs, losses
+        self.elements = (predictions, label_ids, *(x for x in (inputs, losses) if x is not None))
+
+    def __iter__(self) -> Any:
+        return iter(self.elements)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.elements[index]
 
 
 class PredictionOutput(NamedTuple):
@@ -56,7 +68,8 @@ def predict_batch(trainer: Evaluated, model: torch.nn.Module, inputs: Any, predi
 
 def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, prefix: str, *,
                     on_step: Callable[[], Any] | None = None, prediction_loss_only: bool = False,
-                    batch_metrics: bool = False) -> PredictionOutput:
+                    batch_metrics: bool = False, concat_batches: bool = True, gather_objects: bool = False,
+                    include: tuple[str, ...] = ()) -> PredictionOutput:
     """Run ``dl`` through ``trainer.prediction_step`` batch by batch; metrics are named ``{prefix}_...``.
 
     Args:
@@ -65,13 +78,24 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
         batch_metrics: call ``compute_metrics(EvalPrediction(logits, labels), compute_result=...)``
             on each batch's (gathered, on-device) tensors, ``compute_result=True`` on the last
             one, whose return is the metrics (Hugging Face's ``batch_eval_metrics``).
+        concat_batches: join the batches' predictions and labels into one array each; ``False``:
+            a list with one array per batch (``eval_do_concat_batches``).
+        gather_objects: gather predictions and labels across processes as Python objects
+            (``eval_use_gather_object``: outputs that are not tensors of one shape).
+        include: ``"inputs"`` (the model's main input) and/or ``"loss"`` (per-sample losses), also
+            passed to ``compute_metrics`` (``include_for_metrics``).
     """
     acc, model = trainer.accelerator, trainer.model_wrapped
     was_training = model.training
     model.eval()
     if callable(getattr(trainer.optimizer, "eval", None)):  # schedule-free: evaluate at the averaged weights
         trainer.optimizer.eval()
-    losses, preds, labels = [], [], []
+    losses, preds, labels, seen_inputs = [], [], [], []
+    main_input = getattr(trainer.model, "main_input_name", "input_ids")
+
+    def gather(x: Any) -> Any:
+        return acc.gather_for_metrics(x, use_gather_object=gather_objects)
+
     batch_result: dict[str, float] | None = None
     start, n = time.time(), 0
     for inputs, last in _with_last(dl):
@@ -82,8 +106,10 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
         if not prediction_loss_only:
             if logits is not None and trainer.preprocess_logits_for_metrics is not None:
                 logits = trainer.preprocess_logits_for_metrics(logits, label)
-            logits = acc.gather_for_metrics(logits) if logits is not None else None
-            label = acc.gather_for_metrics(label) if label is not None else None
+            logits = gather(logits) if logits is not None else None
+            label = gather(label) if label is not None else None
+            if "inputs" in include and isinstance(inputs, dict) and main_input in inputs:
+                seen_inputs.append(_cpu(gather(inputs[main_input])))
             if batch_metrics and trainer.compute_metrics is not None and logits is not None and label is not None:
                 batch_result = trainer.compute_metrics(EvalPrediction(logits, label), compute_result=last)
             if logits is not None:
@@ -94,13 +120,16 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
         if on_step is not None:
             on_step()
     model.train(was_training)
-    predictions = to_numpy(nested_concat(preds)) if preds else None
-    label_ids = to_numpy(nested_concat(labels)) if labels else None
+    join = nested_concat if concat_batches else list
+    predictions = to_numpy(join(preds)) if preds else None
+    label_ids = to_numpy(join(labels)) if labels else None
+    extra = {"inputs": to_numpy(join(seen_inputs)) if seen_inputs else None,
+             "losses": to_numpy(join(losses)) if "loss" in include and losses else None}
     metrics: dict[str, float] = {}
     if losses:
         metrics[f"{prefix}_loss"] = float(torch.cat(losses).mean())
     found = batch_result if batch_metrics else (
-        trainer.compute_metrics(EvalPrediction(predictions, label_ids))
+        trainer.compute_metrics(EvalPrediction(predictions, label_ids, **extra))
         if trainer.compute_metrics is not None and predictions is not None and label_ids is not None else None)
     for k, v in (found or {}).items():
         metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = float(v)

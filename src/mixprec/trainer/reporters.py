@@ -13,7 +13,8 @@ from typing import Any
 from mixprec.trainer.callbacks import TrainerCallback
 from mixprec.trainer.nonfinite import describe_steps
 
-__all__ = ["ProgressCallback", "PrinterCallback", "JsonlLoggerCallback", "TensorBoardCallback", "format_metrics",
+__all__ = ["ProgressCallback", "PrinterCallback", "JsonlLoggerCallback", "TensorBoardCallback", "TrackerCallback",
+           "format_metrics",
            "print_metrics", "write_metrics"]
 
 
@@ -173,6 +174,42 @@ class TensorBoardCallback(TrainerCallback):
             self.writer.flush()
             self.writer.close()
             self.writer = None
+
+
+class TrackerCallback(TrainerCallback):
+    """Log to the trackers ``report_to`` names beyond mixprec's own (``wandb``, ``mlflow``,
+    ``comet_ml``, ``aim``, ``clearml``, ``dvclive``, ``swanlab``, ``trackio``), through
+    :mod:`mixprec.tracking`, on the main process: started at ``on_train_begin`` with the arguments
+    as the run's configuration (named ``run_name``, else the output folder's name; files under
+    ``output_dir/runs`` for the trackers that write to a folder), every numeric log value at its
+    step, finished at ``on_train_end``. Each tracker's own settings (``WANDB_MODE=offline``,
+    ``MLFLOW_TRACKING_URI``, ...) come from its environment variables, as with transformers."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = list(names)
+        self.trackers: list[Any] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from mixprec.tracking.registry import resolve_log_with, start_trackers
+
+        if not state.is_world_process_zero or self.trackers:
+            return
+        logging_dir = str(Path(args.output_dir) / "runs")
+        config = args.to_sanitized_dict() if hasattr(args, "to_sanitized_dict") else None
+        self.trackers = start_trackers(resolve_log_with(self.names, logging_dir),
+                                       args.run_name or Path(args.output_dir).name, logging_dir, config,
+                                       is_main_process=True)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        values = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for tracker in self.trackers:
+            tracker.log(values, step=state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        from mixprec.tracking.registry import finish_trackers
+
+        trackers, self.trackers = self.trackers, []
+        finish_trackers(trackers)
 
 
 def format_metrics(metrics: dict[str, Any]) -> dict[str, Any]:

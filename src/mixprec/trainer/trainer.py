@@ -19,11 +19,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from mixprec.accelerator.accelerator import Accelerator
-from mixprec.accelerator.configs import DataLoaderConfiguration
-from mixprec.accelerator.utils import set_seed
+from mixprec.accelerator.configs import DataLoaderConfiguration, GradientAccumulationPlugin
+from mixprec.accelerator.utils import find_executable_batch_size, set_seed
 from mixprec.checkpoint.folder import CheckpointError, checkpoint_problem
 from mixprec.checkpoint.lock import RunLock
 from mixprec.checkpoint.transformers_rng import set_transformers_rng_state
+from mixprec.data import PreparedDataLoader
 from mixprec.diagnostics import precision_drift
 from mixprec.diagnostics.monitor import DiagnosticsConfig
 from mixprec.distributed import groups as D
@@ -55,6 +56,7 @@ from mixprec.trainer.reporters import (
     PrinterCallback,
     ProgressCallback,
     TensorBoardCallback,
+    TrackerCallback,
     format_metrics,
     print_metrics,
     trim_logs_after,
@@ -153,11 +155,14 @@ class Trainer:
         self.model_accepts_loss_kwargs = False  # the loss is the model's mean: no num_items_in_batch is passed
         #: transformers' ``LabelSmoother`` for ``label_smoothing_factor`` (``None`` without smoothing).
         self.label_smoother = _label_smoother(self.args.label_smoothing_factor)
+        self._train_batch_size = self.args.train_batch_size  # (auto_find_batch_size lowers it)
         names, _ = model_input_names(self.model)
         self.label_names = self.args.label_names or ([n for n in names if "label" in n] or ["labels"])
         # Hugging Face's order: the flow, the reporters, the user's, then the progress display.
         default: list[Any] = [hf_compatible(DefaultFlowCallback)]
         default += [TensorBoardCallback] if "tensorboard" in self.args.reporters else []
+        trackers = sorted(self.args.reporters - {"jsonl", "tensorboard"})  # through mixprec.tracking
+        default += [TrackerCallback(trackers)] if trackers else []
         self._jsonl = JsonlLoggerCallback() if "jsonl" in self.args.reporters else None  # the Trainer's own record
         self.callback_handler = CallbackHandler(default + list(callbacks or []), self.model, processing_class,
                                                 self.optimizer, self.lr_scheduler)
@@ -172,14 +177,19 @@ class Trainer:
         """A fresh Accelerator from ``args``, with ``model`` prepared on it."""
         a = self.args
         compile_options = {k: v for k, v in (("backend", a.torch_compile_backend), ("mode", a.torch_compile_mode)) if v}
+        settings = a.accelerator_settings()  # Hugging Face's accelerator_config
+        loaders = {k: settings[k] for k in ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler",
+                                            "non_blocking")}
         self.accelerator = Accelerator(
-            mixed_precision=a.resolved_precision, gradient_accumulation_steps=a.gradient_accumulation_steps,
-            cpu=a.use_cpu, precision_config=a.precision_config,
+            mixed_precision=a.resolved_precision, cpu=a.use_cpu, precision_config=a.precision_config,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=a.gradient_accumulation_steps, **(settings["gradient_accumulation_kwargs"] or {})),
             compile=(compile_options or True) if a.torch_compile else False, kwargs_handlers=a.ddp_handlers(),
             # The Trainer resumes mid-epoch from the loader's saved position (it never skips batches itself).
-            dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+            dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, **loaders),
             fsdp_plugin=a.fsdp_plugin,  # FSDP2 under torchrun when TrainingArguments(fsdp="full_shard")
-            diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps, trace_overflow=a.trace_overflow,
+            diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps,
+                                          trace_overflow=a.trace_overflow or "underflow_overflow" in a.debug_options(),
                                           drift_every=a.drift_steps))
         self.model = model
         self.model_wrapped = self.accelerator.prepare_model(model)
@@ -236,8 +246,10 @@ class Trainer:
                              label_names=self.label_names, custom_collator=self.data_collator is not None)
         kwargs: dict[str, Any] = dict(batch_size=batch_size, collate_fn=self.data_collator or collate,
                                       num_workers=a.dataloader_num_workers, drop_last=a.dataloader_drop_last)
+        if a.dataloader_pin_memory and self.accelerator.device.type == "cuda":
+            kwargs["pin_memory"] = True
         if a.dataloader_num_workers > 0:  # torch refuses these without worker processes
-            kwargs.update(persistent_workers=a.dataloader_persistent_workers,
+            kwargs.update(persistent_workers=a.dataloader_persistent_workers, in_order=a.dataloader_in_order,
                           prefetch_factor=a.dataloader_prefetch_factor,
                           multiprocessing_context=a.dataloader_multiprocessing_context)
         if shuffle and not isinstance(ds, IterableDataset) and a.train_sampling_strategy == "random":
@@ -246,21 +258,53 @@ class Trainer:
         return self.accelerator.prepare_data_loader(DataLoader(ds, **kwargs), checkpoint=checkpoint)
 
     def get_train_dataloader(self) -> Any:
-        """The training dataloader: shuffled by ``data_seed`` (else ``seed``), batches fetched at once."""
-        if self.train_dataset is None:
-            raise ValueError("Trainer.train() needs a train_dataset")
-        return self._dataloader(self.train_dataset, self.args.train_batch_size, True, checkpoint=True)
+        """The training dataloader: shuffled by ``data_seed`` (else ``seed``), batches fetched at once.
 
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        """The evaluation dataloader, in order (``eval_dataset``, else the Trainer's)."""
-        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if ds is None:
-            raise ValueError("evaluation needs an eval_dataset (pass one to Trainer or to evaluate())")
-        return self._dataloader(ds, self.args.eval_batch_size, False, checkpoint=False)
+        Override it to return any iterable of batches: one that is not a prepared dataloader is
+        iterated as it is (not sharded, as in transformers), its batches moved to the device."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        return self._dataloader(self.train_dataset, self._train_batch_size, True, checkpoint=True)
+
+    def get_eval_dataloader(self, eval_dataset: str | Any = None) -> Any:
+        """The evaluation dataloader, in order: for ``eval_dataset`` (a dataset, or the name of one
+        of a dict of eval datasets), else the Trainer's. With ``dataloader_persistent_workers`` the
+        loader is made once per name (``"eval"`` for the Trainer's own) and reused, workers and all."""
+        if eval_dataset is None and self.eval_dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        key = eval_dataset if isinstance(eval_dataset, str) else "eval"
+        cache = self.__dict__.setdefault("_eval_dataloaders", {})
+        if self.args.dataloader_persistent_workers and key in cache:
+            return cache[key]
+        if isinstance(eval_dataset, str):
+            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
+                names = sorted(self.eval_dataset) if isinstance(self.eval_dataset, dict) else []
+                raise ValueError(f"eval_dataset={eval_dataset!r} names no eval dataset: the Trainer's eval_dataset "
+                                 f"names {names}" if names else "a name needs the Trainer's eval_dataset to be a dict")
+            ds = self.eval_dataset[eval_dataset]
+        else:
+            ds = eval_dataset if eval_dataset is not None else self.eval_dataset
+        dl = self._dataloader(ds, self.args.eval_batch_size, False, checkpoint=False)
+        if self.args.dataloader_persistent_workers:
+            cache[key] = dl
+        return dl
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
         """The prediction dataloader for ``test_dataset``, in order."""
         return self._dataloader(test_dataset, self.args.eval_batch_size, False, checkpoint=False)
+
+    def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
+        """``dataloader``, starting its next epoch at batch ``num_batches`` (without loading the
+        ones before where its sampler allows); what a resume mid-epoch calls (override it for a
+        loader that cannot skip so)."""
+        return self.accelerator.skip_first_batches(dataloader, num_batches)
+
+    def _loop_loader(self, dl: Any, checkpoint: bool) -> Any:
+        """``dl`` as the loops read it: a prepared dataloader as it is, any other iterable wrapped
+        (batches moved to the device, the position tracked), as transformers iterates it."""
+        if isinstance(dl, PreparedDataLoader):
+            return dl
+        return self.accelerator.preparer.prepare_iterable(dl, checkpoint=checkpoint)
 
     # -- optimizer ---------------------------------------------------------------------------
     def create_optimizer(self) -> torch.optim.Optimizer:
@@ -326,13 +370,30 @@ class Trainer:
         neftune = _activate_neftune(self.model, self.args.neftune_noise_alpha, self.accelerator)
         try:
             with self._output_dir_lock():
-                result = self._train(resume_from_checkpoint)
+                if self.args.auto_find_batch_size:
+                    result = find_executable_batch_size(self._train_with_batch_size, self.args.train_batch_size)(
+                        resume_from_checkpoint)
+                else:
+                    result = self._train(resume_from_checkpoint)
         finally:
             if neftune is not None:  # the noise is for training only
                 neftune.remove()
         if self._preempted_at is not None:
             raise SystemExit(PREEMPTED_EXIT_CODE)
         return result
+
+    def _train_with_batch_size(self, batch_size: int, resume_from_checkpoint: str | bool | None) -> TrainOutput:
+        """:meth:`_train` with ``batch_size`` samples per batch (``auto_find_batch_size``: called
+        again with a smaller one after an out-of-memory error, from a fresh Accelerator)."""
+        if self._train_batch_size != batch_size:
+            log.warning("mixprec: out of memory at per-device batch size %d; trying %d (auto_find_batch_size)",
+                        self._train_batch_size, batch_size)
+            self._setup_model(self.accelerator.unwrap_model(self.model))
+            if self._created_optimizer:
+                self.optimizer = None
+        self._train_batch_size = batch_size
+        self._created_optimizer = self.optimizer is None
+        return self._train(resume_from_checkpoint)
 
     @contextlib.contextmanager
     def _output_dir_lock(self) -> Generator[None, None, None]:
@@ -404,7 +465,7 @@ class Trainer:
         candidates = checkpoints_to_resume(Path(args.output_dir), resume) if resume else []
         if restarted > 0 and resume == "auto" and not candidates:
             log.warning("mixprec: restart %d of this run (torchrun); no checkpoint yet: starting over", restarted)
-        train_dl = self.get_train_dataloader()
+        train_dl = self._loop_loader(self.get_train_dataloader(), checkpoint=True)
         try:
             self._batches_per_epoch = len(train_dl)
             per_epoch = max(1, math.ceil(self._batches_per_epoch / args.gradient_accumulation_steps))
@@ -425,7 +486,7 @@ class Trainer:
         self.lr_scheduler = acc.prepare_scheduler(self.lr_scheduler, steps_per_call=1)
         model = self.model_wrapped  # compiled by the Accelerator when torch_compile=True
         self.state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs,
-                                  train_batch_size=args.train_batch_size, is_world_process_zero=acc.is_main_process,
+                                  train_batch_size=self._train_batch_size, is_world_process_zero=acc.is_main_process,
                                   is_local_process_zero=acc.local_process_index == 0, precision=acc.policy.name)
         self.state.compute_steps(args, max_steps)
         self._transformers_resume = None
@@ -442,6 +503,9 @@ class Trainer:
             self.state = saved
             if self._transformers_resume is not None:
                 self._continue_transformers_run(train_dl, per_epoch)
+            if args.ignore_data_skip:  # as transformers: the data starts over; the steps and schedule go on
+                train_dl.set_epoch(0)
+                train_dl.skip_batches(0)
             self._load_callback_state()
             if acc.is_main_process:  # the steps after the checkpoint are replayed: log each once
                 trim_logs_after(args.output_dir, saved.global_step)
@@ -811,16 +875,12 @@ class Trainer:
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss and ``compute_metrics`` on the eval set(s); logged and passed to ``on_evaluate``.
         ``eval_dataset`` may name one of a dict of eval datasets (its metrics get the name too)."""
-        if isinstance(eval_dataset, str):
-            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
-                raise ValueError(f"evaluate(eval_dataset={eval_dataset!r}): a name needs the Trainer's eval_dataset "
-                                 "to be a dict holding it")
-            return self.evaluate(self.eval_dataset[eval_dataset], ignore_keys, f"{metric_key_prefix}_{eval_dataset}")
-        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if isinstance(ds, dict):
+        override = eval_dataset is not None
+        ds = eval_dataset if override else self.eval_dataset
+        if isinstance(ds, dict):  # each by name (the loader asked for by name, as transformers asks)
             metrics: dict[str, float] = {}
             for name, part in ds.items():
-                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+                metrics.update(self.evaluate(part if override else name, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         out = self._run_evaluation(self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix)
         self.log(out.metrics)
@@ -917,11 +977,14 @@ class Trainer:
         return out
 
     def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str) -> PredictionOutput:
+        dl = self._loop_loader(dl, checkpoint=False)
         self.callback_handler.eval_dataloader = dl
+        a = self.args
         return evaluation_loop(self, dl, ignore_keys, prefix,
                                on_step=lambda: self._event("on_prediction_step"),
-                               prediction_loss_only=self.args.prediction_loss_only,
-                               batch_metrics=self.args.batch_eval_metrics)
+                               prediction_loss_only=a.prediction_loss_only, batch_metrics=a.batch_eval_metrics,
+                               concat_batches=a.eval_do_concat_batches, gather_objects=a.eval_use_gather_object,
+                               include=tuple(a.include_for_metrics))
 
     def prediction_step(self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:

@@ -1,0 +1,147 @@
+"""The Trainer's dataloaders as transformers' are: torch DataLoaders with Accelerate's attributes,
+named eval datasets, persistent workers reused, and any iterable from an overridden method."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_differential import _Regressor, _Rows
+
+import mixprec
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """transformers' Trainer makes an Accelerate Accelerator, whose state is process-global."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _trainer(lib, tmp_path, trainer_cls=None, **more):
+    settings = dict(output_dir=str(tmp_path / lib.__name__), num_train_epochs=1, per_device_train_batch_size=4,
+                    learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                    use_cpu=True, seed=3, per_device_eval_batch_size=8, train_sampling_strategy="sequential")
+    args = lib.TrainingArguments(**{**settings, **more})
+    return (trainer_cls or lib.Trainer)(model=_Regressor(), args=args, train_dataset=_Rows(),
+                                        eval_dataset={"a": _Rows(), "b": torch.utils.data.Subset(_Rows(), range(8))})
+
+
+def test_prepared_loaders_are_dataloaders_with_accelerates_attributes(tmp_path):
+    for lib in (transformers, mixprec):
+        trainer = _trainer(lib, tmp_path)
+        dl = trainer.get_train_dataloader()
+        assert isinstance(dl, torch.utils.data.DataLoader), lib
+        assert (dl.total_batch_size, dl.total_dataset_length, len(dl)) == (4, 40, 10), lib
+        assert not dl.end_of_dataloader and dl.dataset is not None and hasattr(dl, "set_epoch")
+        named = trainer.get_eval_dataloader("b")
+        assert isinstance(named, torch.utils.data.DataLoader) and len(named.dataset) == 8 and len(named) == 1, lib
+    with pytest.raises(ValueError, match=r"\['a', 'b'\]"):
+        _trainer(mixprec, tmp_path).get_eval_dataloader("c")
+
+
+def test_a_persistent_workers_eval_loader_is_made_once_per_name_and_reused(tmp_path):
+    trainer = _trainer(mixprec, tmp_path, dataloader_num_workers=1, dataloader_persistent_workers=True)
+    first, again, other = trainer.get_eval_dataloader("a"), trainer.get_eval_dataloader("a"), trainer.get_eval_dataloader("b")
+    assert first is again and other is not first
+    losses = [trainer.evaluate()["eval_a_loss"] for _ in range(2)]
+    assert losses[0] == losses[1] and trainer.get_eval_dataloader("a") is first
+
+
+class _Chain:
+    """An iterable of batches from several loaders, one after the other (no DataLoader itself)."""
+
+    def __init__(self, loaders):
+        self.loaders = loaders
+
+    def __len__(self):
+        return sum(len(dl) for dl in self.loaders)
+
+    def __iter__(self):
+        for dl in self.loaders:
+            yield from dl
+
+
+def _chained(lib):
+    class Chained(lib.Trainer):
+        def get_train_dataloader(self):
+            return _Chain([super().get_train_dataloader(), super().get_train_dataloader()])
+
+        def get_eval_dataloader(self, eval_dataset=None):
+            return list(super().get_eval_dataloader(eval_dataset))  # a plain list of batches
+    return Chained
+
+
+def test_an_overridden_loader_returning_any_iterable_trains_as_under_transformers(tmp_path, one_thread):
+    runs = {}
+    for lib in (transformers, mixprec):
+        trainer = _trainer(lib, tmp_path, _chained(lib), num_train_epochs=2, gradient_accumulation_steps=2)
+        trainer.eval_dataset = _Rows()
+        trainer.train()
+        runs[lib.__name__] = (trainer.state.global_step, trainer.state.log_history, trainer.evaluate()["eval_loss"],
+                              {k: v.clone() for k, v in trainer.model.state_dict().items()})
+    (their_steps, theirs, their_eval, their_w), (our_steps, ours, our_eval, our_w) = runs.values()
+    assert our_steps == their_steps == 20  # 2 epochs of 2 x 10 batches, 2 per step
+    assert all(torch.allclose(their_w[k], our_w[k], rtol=1e-5, atol=1e-7) for k in their_w)
+    their_losses = [r["loss"] for r in theirs if "loss" in r]
+    our_losses = [r["loss"] for r in ours if "loss" in r]
+    assert len(our_losses) == len(their_losses) and all(
+        math.isclose(a, b, rel_tol=1e-4) for a, b in zip(our_losses, their_losses))
+    assert math.isclose(our_eval, their_eval, rel_tol=1e-5)
+
+
+def test_eval_options_reach_compute_metrics_as_under_transformers(tmp_path, one_thread):
+    """include_for_metrics (inputs and per-sample losses), eval_do_concat_batches=False (one array
+    per batch) and eval_use_gather_object: what compute_metrics receives is transformers'."""
+    seen = {}
+
+    def metrics(lib):
+        def compute(p):
+            seen[lib.__name__] = p
+            return {"n": float(len(p.predictions))}
+        return compute
+
+    for lib in (transformers, mixprec):
+        trainer = _trainer(lib, tmp_path, include_for_metrics=["inputs", "loss"], eval_do_concat_batches=False,
+                           eval_use_gather_object=True, per_device_eval_batch_size=16)
+        trainer.model.main_input_name = "x"
+        trainer.compute_metrics = metrics(lib)
+        assert trainer.evaluate("b")["eval_n"] == 1.0
+        trainer.evaluate("a")
+    theirs, ours = seen["transformers"], seen["mixprec"]
+    assert len(tuple(ours)) == len(tuple(theirs)) == 4  # predictions, label_ids, inputs, losses
+    assert [a.shape for a in ours.predictions] == [a.shape for a in theirs.predictions] == [(16, 1), (16, 1), (8, 1)]
+    for mine, hf in zip(ours.predictions, theirs.predictions):
+        assert (abs(mine - hf) < 1e-6).all()
+    assert [a.shape for a in ours.inputs] == [a.shape for a in theirs.inputs]
+    assert [a.shape for a in ours.losses] == [a.shape for a in theirs.losses] == [(16,), (16,), (8,)]
+    assert all((abs(a - b) < 1e-6).all() for a, b in zip(ours.losses, theirs.losses))
+
+
+def test_accelerator_config_and_debug_reach_the_accelerator(tmp_path):
+    trainer = _trainer(mixprec, tmp_path, accelerator_config={"even_batches": False, "gradient_accumulation_kwargs":
+                                                              {"sync_each_batch": True}}, debug="underflow_overflow")
+    acc = trainer.accelerator
+    assert acc.even_batches is False and acc.gradient_state.sync_each_batch is True
+    assert trainer.args.accelerator_config["use_seedable_sampler"] is True and acc.diagnostics.trace_overflow
+
+
+def test_auto_find_batch_size_retries_smaller_after_out_of_memory(tmp_path, caplog):
+    class Hungry(_Regressor):
+        def forward(self, x, labels=None):
+            if len(x) > 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().forward(x, labels)
+
+    args = mixprec.TrainingArguments(output_dir=str(tmp_path), auto_find_batch_size=True, max_steps=2,
+                                     per_device_train_batch_size=4, report_to="none", disable_tqdm=True,
+                                     save_strategy="no", use_cpu=True)
+    trainer = mixprec.Trainer(model=Hungry(), args=args, train_dataset=_Rows())
+    trainer.train()
+    assert trainer._train_batch_size == 3 and trainer.state.global_step == 2 and trainer.state.train_batch_size == 3
+    assert "out of memory at per-device batch size 4; trying 3" in caplog.text
