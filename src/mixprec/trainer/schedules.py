@@ -106,12 +106,11 @@ def build_optimizer(args: Any, model: torch.nn.Module,
     not installed is its error, naming the package); AdamW and SGD without ``optim_args`` take
     torch's fused kernels where the parameters allow."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if args.weight_decay:
-        decay = set(decay_parameter_names(model))
-        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
-                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-    else:  # one group: one fused kernel launch per step instead of two
-        groups = [{"params": [p for _, p in named], "weight_decay": 0.0}]
+    # Always transformers' two groups (even with weight_decay=0, as transformers builds them): a
+    # checkpoint's optimizer.pt is then transformers' file as it is, not a second, regrouped copy.
+    decay = set(decay_parameter_names(model))
+    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
     params = [p for _, p in named]
     if cls_and_kwargs is not None:
         cls, kwargs = cls_and_kwargs
