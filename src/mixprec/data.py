@@ -411,8 +411,8 @@ class PreparedDataLoader(DataLoader):
             self._worker_generator.manual_seed(_draw())
             if self._shuffle == "per_epoch" and not (self._dispatch and self._rank != 0):
                 gen.manual_seed(_draw())
-            elif self._shuffle == "seedable":
-                gen.manual_seed(self.seed + self.epoch)
+        if self._own_generator and not self._iterable and self._shuffle == "seedable":
+            gen.manual_seed(self.seed + self.epoch)  # the epoch's order, restored or not
         self._epoch_start_state = gen.get_state()
         if self._workers_started:
             # torch draws the workers' base seed when it starts the workers, and persistent workers

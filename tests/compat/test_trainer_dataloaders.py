@@ -145,3 +145,37 @@ def test_auto_find_batch_size_retries_smaller_after_out_of_memory(tmp_path, capl
     trainer.train()
     assert trainer._train_batch_size == 3 and trainer.state.global_step == 2 and trainer.state.train_batch_size == 3
     assert "out of memory at per-device batch size 4; trying 3" in caplog.text
+
+
+@pytest.mark.parametrize("data_seed", [None, 11])
+def test_a_shuffled_run_sees_transformers_batch_order_every_epoch(data_seed, tmp_path, one_thread):
+    """The default train_sampling_strategy="random": each epoch's order is transformers' (its
+    seedable sampler: data_seed, else the seed, plus the epoch), so three epochs end on the same
+    weights and losses."""
+    from test_differential import trainer_run
+
+    runs = [trainer_run(lib.Trainer, lib.TrainingArguments, str(tmp_path / lib.__name__), num_train_epochs=3,
+                        train_sampling_strategy="random", data_seed=data_seed, eval_strategy="no")
+            for lib in (transformers, mixprec)]
+    (theirs, their_w, _), (ours, our_w, _) = runs
+    assert all(torch.allclose(their_w[k], our_w[k], rtol=1e-5, atol=1e-7) for k in their_w)
+    their_losses, our_losses = ([r["loss"] for r in h if "loss" in r] for h in (theirs, ours))
+    assert len(our_losses) == len(their_losses) == 15
+    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(our_losses, their_losses))
+
+
+def test_log_level_info_prints_transformers_training_summary(tmp_path, caplog):
+    import logging
+
+    for lib, logger in ((transformers, "transformers.trainer"), (mixprec, "mixprec")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=logger):
+            _trainer(lib, tmp_path, log_level="info", max_steps=3).train()
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith(logger)]
+        start = lines.index("***** Running training *****")
+        summary = lines[start:start + 9]
+        assert "  Total optimization steps = 3" in summary and "  Num examples = 40" in summary, (lib, summary)
+        assert "  Total train batch size (w. parallel, distributed & accumulation) = 4" in summary
+    with pytest.raises(ValueError, match="log_level_replica='loud' is not valid"):
+        mixprec.TrainingArguments(output_dir="o", log_level_replica="loud")
+    logging.getLogger("mixprec").setLevel(logging.NOTSET)

@@ -50,3 +50,50 @@ def test_total_flos_is_counted_logged_and_returned_as_transformers_does(tmp_path
                      type(trainer.state.total_flos)))
     assert runs[0] == runs[1]
     assert runs[1][1][0] > 0 and runs[1][2] is float
+
+
+def test_the_last_seven_names_of_transformers_trainer_behave_as_documented(tmp_path, one_thread):
+    """evaluation_loop, get_batch_samples, set_initial_training_values (equal to transformers'),
+    create_model_card, init_hf_repo, loss_is_scaled_for_ga, create_accelerator_and_postprocess."""
+    import transformers
+    from test_differential import _Regressor, _Rows
+
+    def make(lib, **more):
+        args = lib.TrainingArguments(output_dir=str(tmp_path / lib.__name__), report_to="none", disable_tqdm=True,
+                                     use_cpu=True, per_device_train_batch_size=4, gradient_accumulation_steps=3,
+                                     num_train_epochs=2, save_strategy="no", logging_steps=1, seed=3,
+                                     eval_strategy="epoch", train_sampling_strategy="sequential", **more)
+        return lib.Trainer(model=_Regressor(), args=args, train_dataset=_Rows(), eval_dataset=_Rows())
+
+    ours, theirs = make(mixprec), make(transformers)
+    for trainer in (ours, theirs):  # two epochs of ceil(10 / 3) = 4 steps
+        assert trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader()) == (
+            2, 4, 40, 80, 12, 10, 8)
+    out = ours.evaluation_loop(ours.get_eval_dataloader(), "Evaluation")
+    assert out.num_samples == 40 and out.predictions.shape == (40, 1) and "eval_loss" in out.metrics
+    batches, items = ours.get_batch_samples(iter(ours.get_train_dataloader()), 3, None)
+    assert len(batches) == 3 and items == 12  # 3 batches of 4 labels, none -100
+    with pytest.raises(NotImplementedError, match="create_repo"):
+        ours.init_hf_repo()
+    first = ours.accelerator
+    ours.create_accelerator_and_postprocess()
+    assert ours.accelerator is not first and ours.accelerator.gradient_accumulation_steps == 3
+    ours = make(mixprec)
+    ours.train()
+    ours.create_model_card(model_name="line", finetuned_from="nothing", dataset="rows", license="apache-2.0")
+    card = (tmp_path / "mixprec" / "README.md").read_text()
+    assert "license: apache-2.0" in card and "base_model: nothing" in card and "- gradient_accumulation_steps: 3" in card
+    assert "| 4 | 1.0 |" in card and "## Training results" in card
+
+    class PreScaled(mixprec.Trainer):  # divides the loss itself, and says so
+        loss_is_scaled_for_ga = True
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs) / self.args.gradient_accumulation_steps
+
+    plain = make(mixprec)
+    plain.train()
+    scaled = PreScaled(model=_Regressor(), args=plain.args, train_dataset=_Rows(), eval_dataset=_Rows())
+    scaled.train()
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(plain.model.parameters(),
+                                                                         scaled.model.parameters()))

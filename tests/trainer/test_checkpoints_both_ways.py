@@ -93,17 +93,21 @@ class _RandomStateAtFirstStep(mixprec.TrainerCallback):
             self.state = torch.random.get_rng_state()
 
 
-def test_a_run_transformers_checkpointed_finishes_under_mixprec_as_if_uninterrupted(tmp_path, one_thread, caplog):
+@pytest.mark.parametrize("sampling", ["sequential", "random"])
+def test_a_run_transformers_checkpointed_finishes_under_mixprec_as_if_uninterrupted(sampling, tmp_path, one_thread,
+                                                                                    caplog):
     """Resumed from transformers' checkpoints mid-epoch (step 3), at an epoch's end (5) and in the
     second epoch (7, with ``resume_from_checkpoint=True``): transformers' final weights and logs;
-    the batches already trained on are skipped and the random state is the checkpoint's."""
-    theirs, their_weights = run(transformers.Trainer, transformers.TrainingArguments, tmp_path / "hf")
+    the batches already trained on are skipped (shuffled, each epoch's order is transformers')
+    and the random state is the checkpoint's."""
+    theirs, their_weights = run(transformers.Trainer, transformers.TrainingArguments, tmp_path / "hf",
+                                train_sampling_strategy=sampling)
     for step, resume in ((3, None), (5, None), (7, True)):
         folder = checkpoint_copy(tmp_path / "hf", step, tmp_path / f"mp{step}")
         seen = _RandomStateAtFirstStep()
         with caplog.at_level(logging.WARNING, logger="mixprec"):
             ours, our_weights = run(mixprec.Trainer, mixprec.TrainingArguments, folder.parent,
-                                    resume=resume or str(folder), callbacks=[seen])
+                                    resume=resume or str(folder), callbacks=[seen], train_sampling_strategy=sampling)
         same_run(ours.state.log_history, our_weights, theirs.state.log_history, their_weights)
         assert ours.state.train_batch_size == 4 and ours.state.global_step == 10
         if step != 5:  # mid-epoch, the first step after the resume draws from the checkpoint's random state
@@ -112,17 +116,18 @@ def test_a_run_transformers_checkpointed_finishes_under_mixprec_as_if_uninterrup
     assert "no mixprec manifest.json, so its files cannot be verified" in caplog.text
 
 
-def test_a_run_mixprec_checkpointed_finishes_under_transformers_as_if_uninterrupted(tmp_path, one_thread):
+@pytest.mark.parametrize("sampling", ["sequential", "random"])
+def test_a_run_mixprec_checkpointed_finishes_under_transformers_as_if_uninterrupted(sampling, tmp_path, one_thread):
     """transformers' Trainer resumes mixprec's checkpoints (mid-epoch and in the second epoch) and
-    ends with mixprec's weights and logs: the optimizer and the schedule are written in
-    transformers' two parameter groups (mixprec's one with weight_decay=0), the random state as
-    transformers' rng_state.pth."""
-    ours, our_weights = run(mixprec.Trainer, mixprec.TrainingArguments, tmp_path / "mp")
+    ends with mixprec's weights and logs: the optimizer and the schedule in transformers' two
+    parameter groups, the random state as transformers' rng_state.pth, and (shuffled) each
+    epoch's order transformers'."""
+    ours, our_weights = run(mixprec.Trainer, mixprec.TrainingArguments, tmp_path / "mp", train_sampling_strategy=sampling)
     for step in (3, 7):
         folder = checkpoint_copy(tmp_path / "mp", step, tmp_path / f"hf{step}")
         assert len(torch.load(folder / "optimizer.pt", weights_only=True)["param_groups"]) == 2
         theirs, their_weights = run(transformers.Trainer, transformers.TrainingArguments, folder.parent,
-                                    resume=str(folder))
+                                    resume=str(folder), train_sampling_strategy=sampling)
         same_run(theirs.state.log_history, their_weights, ours.state.log_history, our_weights)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import enum
 import json
+import logging
 import math
 import os
 import warnings
@@ -32,6 +33,9 @@ _NOT_INTEGRATED = ("azure_ml", "codecarbon", "dagshub", "flyte", "neptune")
 _ACCELERATOR_CONFIG = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
                        "use_seedable_sampler": True, "non_blocking": False, "gradient_accumulation_kwargs": None}
 _DEBUG = ("underflow_overflow", "tpu_metrics_debug")
+# transformers' log level names ("passive": leave the level as it is).
+_LOG_LEVELS = {"detail": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+               "error": logging.ERROR, "critical": logging.CRITICAL, "passive": -1}
 _SAMPLING = ("random", "sequential")
 
 # Hugging Face fields for features mixprec does not have. They exist (code that reads them works)
@@ -307,6 +311,8 @@ class TrainingArguments:
         _one_of("train_sampling_strategy", self.train_sampling_strategy, _SAMPLING)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
         _one_of("on_save_error", self.on_save_error, ("raise", "warn"))
+        for name in ("log_level", "log_level_replica"):
+            _one_of(name, getattr(self, name), tuple(_LOG_LEVELS))
         self.precision_config  # noqa: B018 - validates the precision's options together
         for name in ("diagnostics_steps", "drift_steps"):
             v = getattr(self, name)
@@ -475,6 +481,18 @@ class TrainingArguments:
     def local_process_index(self) -> int:
         """This process's rank on its machine (torchrun's ``LOCAL_RANK``; 0 without torchrun)."""
         return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def should_log(self) -> bool:
+        """Whether this process logs: the main process of each machine (``log_on_each_node``), else
+        the main process of the run."""
+        return (self.local_process_index if self.log_on_each_node else self.process_index) == 0
+
+    def get_process_log_level(self) -> int:
+        """The ``logging`` level of this process: ``log_level`` where it logs (:attr:`should_log`),
+        ``log_level_replica`` elsewhere; ``"passive"`` is the ``mixprec`` logger's level as it is."""
+        level = _LOG_LEVELS[self.log_level if self.should_log else self.log_level_replica]
+        return logging.getLogger("mixprec").getEffectiveLevel() if level == -1 else level
 
     @property
     def should_checkpoint_activations(self) -> bool:

@@ -12,7 +12,7 @@ import torch
 from mixprec.models import call_model, extract_logits, extract_loss
 from mixprec.nested import tree_leaves, tree_map
 
-__all__ = ["EvalPrediction", "PredictionOutput", "evaluation_loop", "nested_concat", "predict_batch", "to_numpy"]
+__all__ = ["EvalLoopOutput", "EvalPrediction", "PredictionOutput", "evaluation_loop", "nested_concat", "predict_batch", "to_numpy"]
 
 
 class EvalPrediction:
@@ -35,9 +35,21 @@ class EvalPrediction:
 
 
 class PredictionOutput(NamedTuple):
+    """What ``Trainer.predict`` returns: numpy predictions, labels (where present) and metrics."""
+
     predictions: Any
     label_ids: Any
     metrics: dict[str, float]
+
+
+class EvalLoopOutput(NamedTuple):
+    """What ``Trainer.evaluation_loop`` returns: :class:`PredictionOutput`'s fields and the number
+    of samples evaluated (over all processes, duplicates of the last uneven round dropped)."""
+
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
+    num_samples: int
 
 
 class Evaluated(Protocol):
@@ -69,7 +81,7 @@ def predict_batch(trainer: Evaluated, model: torch.nn.Module, inputs: Any, predi
 def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, prefix: str, *,
                     on_step: Callable[[], Any] | None = None, prediction_loss_only: bool = False,
                     batch_metrics: bool = False, concat_batches: bool = True, gather_objects: bool = False,
-                    include: tuple[str, ...] = ()) -> PredictionOutput:
+                    include: tuple[str, ...] = ()) -> EvalLoopOutput:
     """Run ``dl`` through ``trainer.prediction_step`` batch by batch; metrics are named ``{prefix}_...``.
 
     Args:
@@ -136,7 +148,8 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
     runtime = time.time() - start
     metrics.update({f"{prefix}_runtime": round(runtime, 4),
                     f"{prefix}_samples_per_second": round(n * acc.num_processes / max(runtime, 1e-9), 3)})
-    return PredictionOutput(predictions, label_ids, metrics)
+    n_gathered = sum(len(x) for x in losses) if losses else n * acc.num_processes
+    return EvalLoopOutput(predictions, label_ids, metrics, n_gathered)
 
 
 def _with_last(items: Any) -> Any:

@@ -13,7 +13,7 @@ import torch
 from mixprec.trainer.callbacks import log
 from mixprec.trainer.checkpoints import MAX_SHARD_SIZE
 
-__all__ = ["args_bin", "save_model_files"]
+__all__ = ["args_bin", "save_model_files", "write_model_card"]
 
 
 def save_model_files(accelerator: Any, model: torch.nn.Module, args: Any, processing_class: Any, out: Path) -> Path:
@@ -53,3 +53,55 @@ def args_bin(args: Any) -> bytes:
                     "training_args.json holds them")
         return b""
     return buf.getvalue()
+
+
+def _listed(value: Any) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def write_model_card(trainer: Any, *, language: Any = None, license: str | None = None, tags: Any = None,
+                     model_name: str | None = None, finetuned_from: str | None = None, tasks: Any = None,
+                     dataset_tags: Any = None, dataset: Any = None, dataset_args: Any = None) -> Path:
+    """``trainer.args.output_dir/README.md``: a draft model card (YAML metadata, then the
+    hyperparameters, the evaluation results logged and the versions), as transformers' Trainer
+    drafts one."""
+    import mixprec
+
+    args, state = trainer.args, trainer.state
+    name = model_name or Path(args.output_dir).name
+    meta = {"language": _listed(language), "license": license, "tags": ["generated_from_trainer", "mixprec",
+                                                                       *_listed(tags)],
+            "base_model": finetuned_from, "datasets": _listed(dataset_tags) or _listed(dataset),
+            "pipeline_tag": (_listed(tasks) or [None])[0]}
+    lines = ["---"]
+    for key, value in meta.items():
+        if value:
+            lines += [f"{key}:"] + [f"- {v}" for v in value] if isinstance(value, list) else [f"{key}: {value}"]
+    lines += ["---", "", f"# {name}", ""]
+    about = f"This model is a fine-tuned version of {finetuned_from}" if finetuned_from else "This model was trained"
+    on = ", ".join(_listed(dataset)) + (f" ({', '.join(_listed(dataset_args))})" if dataset_args else "")
+    lines += [about + (f" on {on}." if on else " on an unknown dataset."), ""]
+    hyper = {"learning_rate": args.learning_rate, "train_batch_size": args.train_batch_size,
+             "eval_batch_size": args.eval_batch_size, "seed": args.seed,
+             "gradient_accumulation_steps": args.gradient_accumulation_steps,
+             "total_train_batch_size": trainer.get_total_train_batch_size(args), "optimizer": args.optim,
+             "lr_scheduler_type": args.lr_scheduler_type, "warmup_steps": args.warmup_steps,
+             "training_steps" if args.max_steps > 0 else "num_epochs":
+                 args.max_steps if args.max_steps > 0 else args.num_train_epochs,
+             "precision": trainer.accelerator.policy.name}
+    lines += ["## Training hyperparameters", ""] + [f"- {k}: {v}" for k, v in hyper.items()] + [""]
+    evals = [row for row in state.log_history if any(k.endswith("_loss") and k != "train_loss" for k in row)]
+    if evals:
+        keys = sorted({k for row in evals for k in row if k.startswith("eval_") and not k.endswith(
+            ("_runtime", "_per_second"))})
+        lines += ["## Training results", "", "| Step | Epoch | " + " | ".join(keys) + " |",
+                  "|---|---|" + "---|" * len(keys)]
+        for row in evals:
+            cells = [f"{row[k]:.4g}" if isinstance(row.get(k), float) else str(row.get(k, "")) for k in keys]
+            lines.append(f"| {row.get('step', '')} | {row.get('epoch', '')} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## Framework versions", "", f"- mixprec {mixprec.__version__}", f"- PyTorch {torch.__version__}", ""]
+    path = Path(args.output_dir) / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    return path

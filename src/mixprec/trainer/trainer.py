@@ -8,8 +8,11 @@ file is the loop, evaluation, and the bookkeeping around them.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Generator
 from pathlib import Path
@@ -48,8 +51,14 @@ from mixprec.trainer.checkpoints import (
     write_trainer_checkpoint,
 )
 from mixprec.trainer.datasets import collate, model_input_names, prepare_dataset
-from mixprec.trainer.evaluation import EvalPrediction, PredictionOutput, evaluation_loop, predict_batch
-from mixprec.trainer.export import args_bin, save_model_files
+from mixprec.trainer.evaluation import (
+    EvalLoopOutput,
+    EvalPrediction,
+    PredictionOutput,
+    evaluation_loop,
+    predict_batch,
+)
+from mixprec.trainer.export import args_bin, save_model_files, write_model_card
 from mixprec.trainer.nonfinite import SkipRecorder, find_nonfinite_inputs
 from mixprec.trainer.reporters import (
     JsonlLoggerCallback,
@@ -123,6 +132,10 @@ class Trainer:
     _preemption: Preemption | None = None
     _preempted_at: int | None = None
 
+    #: Whether ``compute_loss`` returns a loss already divided by the accumulation steps (``True``:
+    #: used as it is); ``None``/``False``: divided here, as transformers does for a model's own loss.
+    loss_is_scaled_for_ga: bool | None = None
+
     def __init__(self, model: torch.nn.Module | None = None, args: TrainingArguments | None = None,
                  data_collator: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
                  processing_class: Any = None, model_init: Any = None, compute_loss_func: Any = None,
@@ -156,6 +169,8 @@ class Trainer:
         #: transformers' ``LabelSmoother`` for ``label_smoothing_factor`` (``None`` without smoothing).
         self.label_smoother = _label_smoother(self.args.label_smoothing_factor)
         self._train_batch_size = self.args.train_batch_size  # (auto_find_batch_size lowers it)
+        if (self.args.log_level if self.args.should_log else self.args.log_level_replica) != "passive":
+            logging.getLogger("mixprec").setLevel(self.args.get_process_log_level())  # as transformers sets its own
         names, _ = model_input_names(self.model)
         self.label_names = self.args.label_names or ([n for n in names if "label" in n] or ["labels"])
         # Hugging Face's order: the flow, the reporters, the user's, then the progress display.
@@ -173,8 +188,10 @@ class Trainer:
         self.control = TrainerControl()
         self._event("on_init_end")
 
-    def _setup_model(self, model: torch.nn.Module) -> None:
-        """A fresh Accelerator from ``args``, with ``model`` prepared on it."""
+    def create_accelerator_and_postprocess(self) -> None:
+        """``self.accelerator``: a fresh :class:`~mixprec.Accelerator` from ``args`` (the precision,
+        accumulation, ``accelerator_config``, ``ddp_*``, FSDP2, compilation, diagnostics), as
+        transformers' method of that name makes its own."""
         a = self.args
         compile_options = {k: v for k, v in (("backend", a.torch_compile_backend), ("mode", a.torch_compile_mode)) if v}
         settings = a.accelerator_settings()  # Hugging Face's accelerator_config
@@ -186,11 +203,15 @@ class Trainer:
                 num_steps=a.gradient_accumulation_steps, **(settings["gradient_accumulation_kwargs"] or {})),
             compile=(compile_options or True) if a.torch_compile else False, kwargs_handlers=a.ddp_handlers(),
             # The Trainer resumes mid-epoch from the loader's saved position (it never skips batches itself).
-            dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, **loaders),
+            dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, data_seed=a.data_seed, **loaders),
             fsdp_plugin=a.fsdp_plugin,  # FSDP2 under torchrun when TrainingArguments(fsdp="full_shard")
             diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps,
                                           trace_overflow=a.trace_overflow or "underflow_overflow" in a.debug_options(),
                                           drift_every=a.drift_steps))
+
+    def _setup_model(self, model: torch.nn.Module) -> None:
+        """A fresh Accelerator from ``args``, with ``model`` prepared on it."""
+        self.create_accelerator_and_postprocess()
         self.model = model
         self.model_wrapped = self.accelerator.prepare_model(model)
 
@@ -253,8 +274,10 @@ class Trainer:
                           prefetch_factor=a.dataloader_prefetch_factor,
                           multiprocessing_context=a.dataloader_multiprocessing_context)
         if shuffle and not isinstance(ds, IterableDataset) and a.train_sampling_strategy == "random":
-            seed = a.data_seed if a.data_seed is not None else a.seed
-            kwargs["sampler"] = RandomSampler(ds, generator=torch.Generator().manual_seed(seed))
+            # Shuffled by the prepared loader as transformers' is (Accelerate's seedable sampler, the
+            # default of accelerator_config): epoch e's order from data_seed (else torch's initial
+            # seed, which the Trainer set to seed) + e, the same on every process.
+            kwargs["sampler"] = RandomSampler(ds)
         return self.accelerator.prepare_data_loader(DataLoader(ds, **kwargs), checkpoint=checkpoint)
 
     def get_train_dataloader(self) -> Any:
@@ -466,18 +489,10 @@ class Trainer:
         if restarted > 0 and resume == "auto" and not candidates:
             log.warning("mixprec: restart %d of this run (torchrun); no checkpoint yet: starting over", restarted)
         train_dl = self._loop_loader(self.get_train_dataloader(), checkpoint=True)
-        try:
-            self._batches_per_epoch = len(train_dl)
-            per_epoch = max(1, math.ceil(self._batches_per_epoch / args.gradient_accumulation_steps))
-        except TypeError:  # an IterableDataset without __len__
-            self._batches_per_epoch, per_epoch = None, None
-        if args.max_steps > 0:
-            max_steps = args.max_steps
-        elif per_epoch is None:
-            raise ValueError("the train dataset has no length: set max_steps to say how long to train")
-        else:
-            max_steps = math.ceil(args.num_train_epochs * per_epoch)
-        num_epochs = math.ceil(max_steps / per_epoch) if per_epoch else 2**62
+        num_epochs, per_epoch, *_, max_steps = self.set_initial_training_values(args, train_dl)
+        self._batches_per_epoch = _length(train_dl)
+        if self._batches_per_epoch is None:  # an IterableDataset without __len__: no epochs to count
+            per_epoch = None
         if getattr(self, "_created_lr_scheduler", False):  # a second train() schedules its own steps
             self.lr_scheduler, self._created_lr_scheduler = None, False
         self.create_optimizer_and_scheduler(max_steps)
@@ -526,6 +541,7 @@ class Trainer:
         self._tokens_since_log: Any = 0  # input tokens counted on the device since the last log
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # listed once, not per step
         start_time = time.time()
+        self._log_training_summary(train_dl, resume_path)
         self.callback_handler.train_dataloader = train_dl
         self._event("on_train_begin")
         if args.eval_on_start:
@@ -536,6 +552,26 @@ class Trainer:
         with Preemption() as self._preemption:
             self._epochs(model, train_dl, epochs, max_steps)
         return self._finish(start_time)
+
+    def _log_training_summary(self, train_dl: Any, resume_path: Path | None) -> None:
+        """transformers' "***** Running training *****" lines (at INFO: ``log_level="info"``)."""
+        a, s = self.args, self.state
+        _, per_epoch, examples, *_ = self.set_initial_training_values(a, train_dl)
+        lines = ["***** Running training *****", f"  Num examples = {examples:,}",
+                 f"  Num Epochs = {s.num_train_epochs:,}", f"  Num update steps per epoch = {per_epoch:,}"]
+        lines += [f"  Instantaneous batch size per device = {a.per_device_train_batch_size:,}"]
+        if self._train_batch_size != a.per_device_train_batch_size:
+            lines.append(f"  Batch size adjusted to: {self._train_batch_size:,} (auto_find_batch_size)")
+        lines += [f"  Total train batch size (w. parallel, distributed & accumulation) = "
+                  f"{self.get_total_train_batch_size(a):,}",
+                  f"  Gradient Accumulation steps = {a.gradient_accumulation_steps}",
+                  f"  Total optimization steps = {s.max_steps:,}",
+                  f"  Number of trainable parameters = {self.get_num_trainable_parameters():,}"]
+        if resume_path is not None:
+            lines.append(f"  Continuing training from checkpoint {resume_path}, at epoch {train_dl.epoch} and "
+                         f"global step {s.global_step}")
+        for line in lines:
+            log.info(line)
 
     def _continue_transformers_run(self, train_dl: Any, per_epoch: int | None) -> None:
         """After a resume from a checkpoint transformers' Trainer wrote (``self.state`` is its
@@ -590,7 +626,9 @@ class Trainer:
             self._event("on_step_begin")
             if args.drift_steps and self.state.global_step % args.drift_steps == 0:
                 self._log_drift(model, batch)
-        loss = self.training_step(model, batch) / args.gradient_accumulation_steps
+        loss = self.training_step(model, batch)
+        if not self.loss_is_scaled_for_ga:
+            loss = loss / args.gradient_accumulation_steps
         self._step_batches.append((epoch, train_dl.batches_yielded - 1, batch))
         self.current_flos += float(self.floating_point_ops(batch))
         if args.include_num_input_tokens_seen != "no":
@@ -663,7 +701,10 @@ class Trainer:
         if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers have modes, as HF calls them
             self.optimizer.train()
         loss = self.compute_loss(model, inputs)
-        self.accelerator.backward(loss)
+        if self.loss_is_scaled_for_ga:  # compute_loss divided it by the accumulation steps already
+            self.accelerator.precision.backward(loss)
+        else:
+            self.accelerator.backward(loss)
         return loss.detach().float()
 
     def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False,
@@ -900,6 +941,70 @@ class Trainer:
             stack.enter_context(ctx)
         return stack
 
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple[int, int, int, int, int, int, int]:
+        """transformers' ``(num_train_epochs, num_update_steps_per_epoch, num_examples,
+        num_train_samples, total_train_batch_size, steps_in_epoch, max_steps)`` for ``dataloader``:
+        ``max_steps`` from ``args.max_steps``, else from the epochs and the loader's length.
+
+        Raises:
+            ValueError: the loader has no length and ``max_steps`` is not set.
+        """
+        batches, ga = _length(dataloader), args.gradient_accumulation_steps
+        total = self.get_total_train_batch_size(args)
+        if batches:
+            per_epoch = max(1, math.ceil(batches / ga))
+            max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+            epochs = math.ceil(max_steps / per_epoch) if args.max_steps > 0 else math.ceil(args.num_train_epochs)
+            examples = self.num_examples(dataloader)
+            samples = max_steps * total if args.max_steps > 0 else examples * args.num_train_epochs
+            return epochs, per_epoch, examples, samples, total, batches, max_steps
+        if args.max_steps <= 0:
+            raise ValueError("the train dataset has no length: set max_steps to say how long to train")
+        return (sys.maxsize, args.max_steps, total * args.max_steps, total * args.max_steps, total, args.max_steps * ga,
+                args.max_steps)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any = None) -> tuple[list, Any]:
+        """The next ``num_batches`` batches of ``epoch_iterator`` (fewer at its end) and the number of
+        label tokens in them (labels other than -100, summed over every process; ``None`` without
+        ``labels``), as transformers counts ``num_items_in_batch`` (mixprec's loop does not pass it:
+        the loss is the model's own mean)."""
+        batches = list(itertools.islice(epoch_iterator, num_batches))
+        if not batches or not isinstance(batches[0], dict) or "labels" not in batches[0]:
+            return batches, None
+        count = sum(int(b["labels"].ne(-100).sum()) for b in batches)
+        if self.args.average_tokens_across_devices and self.accelerator.num_processes > 1:
+            count = int(self.accelerator.reduce(torch.tensor(count, device=self.accelerator.device), "sum"))
+        return batches, torch.tensor(count, device=device) if device is not None else count
+
+    def evaluation_loop(self, dataloader: Any, description: str = "Evaluation", prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """Predictions, labels, metrics and the number of samples of ``dataloader``, as
+        ``evaluate`` and ``predict`` compute them (without logging or callbacks' ``on_evaluate``)."""
+        if prediction_loss_only is not None and prediction_loss_only != self.args.prediction_loss_only:
+            saved, self.args.prediction_loss_only = self.args.prediction_loss_only, prediction_loss_only
+            try:
+                return self.evaluation_loop(dataloader, description, None, ignore_keys, metric_key_prefix)
+            finally:
+                self.args.prediction_loss_only = saved
+        return self._run_evaluation(dataloader, ignore_keys, metric_key_prefix)
+
+    def create_model_card(self, language: str | None = None, license: str | None = None,
+                          tags: str | list[str] | None = None, model_name: str | None = None,
+                          finetuned_from: str | None = None, tasks: str | list[str] | None = None,
+                          dataset_tags: str | list[str] | None = None, dataset: str | list[str] | None = None,
+                          dataset_args: str | list[str] | None = None) -> None:
+        """Write a draft model card, ``output_dir/README.md``, from what the Trainer knows: the
+        hyperparameters, the evaluation results logged, the precision and the versions (main process)."""
+        if self.is_world_process_zero():
+            write_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
+                             finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
+                             dataset=dataset, dataset_args=dataset_args)
+
+    def init_hf_repo(self, token: str | None = None) -> None:
+        """Not supported: mixprec does not create Hub repositories (``huggingface_hub.create_repo``)."""
+        raise NotImplementedError("Trainer.init_hf_repo is not supported by mixprec (it does not upload); create the "
+                                  "repository with huggingface_hub.create_repo(repo_id)")
+
     def num_examples(self, dataloader: Any) -> int:
         """Samples in ``dataloader``'s dataset; estimated from its length where the dataset has none."""
         try:
@@ -962,8 +1067,9 @@ class Trainer:
         return 1
 
     def get_total_train_batch_size(self, args: Any) -> int:
-        """Samples per optimizer step over all processes: per-device batch x accumulation x processes."""
-        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+        """Samples per optimizer step over all processes: per-device batch (as ``auto_find_batch_size``
+        left it) x accumulation x processes."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
 
     def end(self) -> None:
         """Finish the trackers and the process group; call it once, at the very end of the script."""
@@ -974,9 +1080,9 @@ class Trainer:
         """Predictions (numpy), labels (where present) and metrics on ``test_dataset``."""
         out = self._run_evaluation(self.get_test_dataloader(test_dataset), ignore_keys, metric_key_prefix)
         self._event("on_predict", metrics=out.metrics)
-        return out
+        return PredictionOutput(out.predictions, out.label_ids, out.metrics)
 
-    def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str) -> PredictionOutput:
+    def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str) -> EvalLoopOutput:
         dl = self._loop_loader(dl, checkpoint=False)
         self.callback_handler.eval_dataloader = dl
         a = self.args
@@ -1085,3 +1191,11 @@ def _activate_neftune(model: torch.nn.Module, alpha: float | None, accelerator: 
         raise ValueError(f"neftune_noise_alpha adds noise to the input embeddings, which {type(inner).__name__} does "
                          "not expose (get_input_embeddings(), as Hugging Face models do); leave it unset")
     return activate_neftune(model, alpha, accelerator)
+
+
+def _length(loader: Any) -> int | None:
+    """``len(loader)``, or ``None`` for a loader without a length (an ``IterableDataset``)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
