@@ -95,3 +95,18 @@ def test_accelerator_config_debug_and_report_to_are_checked_with_the_valid_choic
                           (dict(report_to="neptune"), "wandb"), (dict(include_for_metrics=["labels"]), "inputs")]:
         with pytest.raises(ValueError, match=match):
             mixprec.TrainingArguments(output_dir="o", **kwargs)
+
+
+def test_save_on_each_node_is_the_default_on_one_machine_and_refused_across_several(monkeypatch):
+    assert mixprec.TrainingArguments(output_dir="o", save_on_each_node=True).save_on_each_node
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="every machine sees"):
+        mixprec.TrainingArguments(output_dir="o", save_on_each_node=True)
+
+
+def test_local_rank_is_taken_where_it_agrees_with_the_launcher(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert mixprec.TrainingArguments(output_dir="o", local_rank=1).local_rank == 1
+    with pytest.raises(ValueError, match="torchrun"):
+        mixprec.TrainingArguments(output_dir="o", local_rank=0)

@@ -223,3 +223,18 @@ def test_sharded_safetensors_resume_and_load_best_both_ways(tmp_path, one_thread
     again, again_weights = run(transformers.Trainer, transformers.TrainingArguments, back.parent, resume=str(back),
                                model=_tiny_gpt2(), data=_Tokens, **best)
     same_run(again.state.log_history, again_weights, theirs.state.log_history, their_weights)
+
+
+def test_save_only_model_writes_the_weights_alone_and_refuses_a_resume_from_them(tmp_path, one_thread):
+    """As transformers' save_only_model: the checkpoint holds the weights (and the Trainer's state),
+    no optimizer, schedule, scaler or random state; it loads as the best model, and a resume from
+    it is refused with the fix."""
+    trainer, weights = run(mixprec.Trainer, mixprec.TrainingArguments, tmp_path / "mp", save_only_model=True,
+                           save_steps=5, load_best_model_at_end=True, eval_steps=5, metric_for_best_model="loss")
+    folder = tmp_path / "mp" / "checkpoint-5"
+    names = {p.name for p in folder.iterdir()}
+    assert {"model.safetensors", "trainer_state.json"} <= names
+    assert not names & {"optimizer.pt", "scheduler.pt", "rng_state.pth", "optimizer_0.bin", "random_states_0.bin"}
+    assert trainer.state.best_model_checkpoint is not None
+    with pytest.raises(ValueError, match=r"save_only_model=True\): a run cannot resume from it"):
+        run(mixprec.Trainer, mixprec.TrainingArguments, tmp_path / "mp", resume=str(folder), save_only_model=True)

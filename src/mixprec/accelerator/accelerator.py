@@ -488,7 +488,8 @@ class Accelerator:
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
                    extra_files: dict[str, str | bytes] | None = None, async_save: bool = False,
-                   finish: Callable[[Path, dict[str, list[str]]], None] | None = None) -> Path:
+                   finish: Callable[[Path, dict[str, list[str]]], None] | None = None,
+                   model_only: bool = False) -> Path:
         """Write everything needed to continue bit for bit into ``output_dir``, atomically.
 
         Model weights as safetensors (whatever ``safe_serialization`` says: the checkpoint is read
@@ -501,7 +502,8 @@ class Accelerator:
         ``finish(folder, written)`` is called on the main process with the staging folder and the
         files written by role (``{"model": ["model_0.safetensors"], "optimizer": [...], ...}``)
         before the one commit (the Trainer adds Hugging Face's names there). An iteration left
-        open (an optimizer stepped, another not yet) is closed first.
+        open (an optimizer stepped, another not yet) is closed first. ``model_only=True`` writes the
+        models alone (the Trainer's ``save_only_model``): weights to load, not a state to resume.
 
         With ``async_save=True`` the models and optimizers are written by
         ``torch.distributed.checkpoint``'s asynchronous save: the call returns once they are copied
@@ -517,7 +519,8 @@ class Accelerator:
         meta = {"step": self.step, "precision": self.policy.name, "optimizer_steps": self.optimizer_steps,
                 "precision_fallback": bool(self.precision_fallbacks)}
         return self.checkpointer.save(output_dir, meta=meta, precision_state=self.precision.state_dict(),
-                                      extra_files=extra_files, async_save=async_save, finish=finish)
+                                      extra_files=extra_files, async_save=async_save, finish=finish,
+                                      model_only=model_only)
 
     def wait_for_checkpoint(self) -> Path | None:
         """Block until the checkpoint being written in the background (``async_save``) is in place;

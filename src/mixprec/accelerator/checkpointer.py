@@ -169,11 +169,13 @@ class Checkpointer:
     # -- save ---------------------------------------------------------------------------
     def save(self, output_dir: str | os.PathLike | None, *, meta: dict[str, Any], precision_state: dict[str, Any],
              extra_files: dict[str, str | bytes] | None = None, async_save: bool = False,
-             finish: Finish | None = None) -> Path:
+             finish: Finish | None = None, model_only: bool = False) -> Path:
         """See :meth:`Accelerator.save_state`; ``meta`` (the run's counters and precision) is written
         as ``accelerator.bin``. Every process calls it. The main process writes all but the RNG
         files (and the DCP shards, which every rank writes into ``model_<i>/``), runs ``finish``,
-        and commits the folder once. Whatever fails, the staging folder is removed."""
+        and commits the folder once. Whatever fails, the staging folder is removed. ``model_only``:
+        the models (and ``meta``, ``extra_files``) alone, no optimizer, scheduler, scaler or RNG
+        state (a checkpoint to load weights from, not to resume)."""
         self.wait()  # one checkpoint in flight at a time
         final = self.save_dir(output_dir)
         automatic = output_dir is None and self.project.automatic_checkpoint_naming
@@ -188,7 +190,7 @@ class Checkpointer:
         release = (lambda: lock.__exit__(None, None, None)) if lock is not None else None
         self._pending = self._write(final, meta, precision_state, extra_files or {}, sharded=self.sharded or async_save,
                                     asynchronous=async_save, process_group=group, finish=finish, after_commit=after,
-                                    release=release)
+                                    release=release, model_only=model_only)
         if automatic:
             self.project.iteration += 1
         return final
@@ -219,7 +221,7 @@ class Checkpointer:
     def _write(self, final: Path, meta: dict[str, Any], precision_state: dict[str, Any],
                extra_files: dict[str, str | bytes], *, sharded: bool, asynchronous: bool, process_group: Any,
                finish: Finish | None, after_commit: Callable[[], None] | None,
-               release: Callable[[], None] | None = None) -> PendingSave:
+               release: Callable[[], None] | None = None, model_only: bool = False) -> PendingSave:
         info = self.processes.info
         main = info.rank == 0
         prepared = self.prepared
@@ -230,13 +232,15 @@ class Checkpointer:
         futures: list[Any] = []
         error: BaseException | None = None
         try:
-            written.torch_save(rng_state(), f"random_states_{info.rank}.bin")
+            if not model_only:
+                written.torch_save(rng_state(), f"random_states_{info.rank}.bin")
             if sharded:
                 futures = save_sharded(tmp, [unwrap(m) for m in prepared.models],
-                                       [o.optimizer for o in prepared.optimizers], written=written,
-                                       asynchronous=asynchronous, process_group=process_group)
+                                       [] if model_only else [o.optimizer for o in prepared.optimizers],
+                                       written=written, asynchronous=asynchronous, process_group=process_group)
             if main:
-                names = self._write_shared(written, meta, precision_state, extra_files, sharded=sharded)
+                names = self._write_shared(written, meta, {} if model_only else precision_state, extra_files,
+                                           sharded=sharded, model_only=model_only)
                 if finish is not None:
                     finish(tmp, names)
         except Exception as e:  # noqa: BLE001 - every process must reach the verdict below
@@ -297,7 +301,8 @@ class Checkpointer:
         return pending
 
     def _write_shared(self, written: WrittenFiles, meta: dict[str, Any], precision_state: dict[str, Any],
-                      extra_files: dict[str, str | bytes], *, sharded: bool) -> dict[str, list[str]]:
+                      extra_files: dict[str, str | bytes], *, sharded: bool,
+                      model_only: bool = False) -> dict[str, list[str]]:
         """The main process's files; returns their names by role."""
         prepared = self.prepared
         tmp = written.root
@@ -313,7 +318,7 @@ class Checkpointer:
             with written.open(tmp / f"model_{i}.safetensors") as fh:
                 write_safetensors(untied(unwrap(m).state_dict()), fh, metadata={"format": "pt"})
             names.setdefault("model", []).append(f"model_{i}.safetensors")
-        for name, objs in prepared.stateful().items():
+        for name, objs in ({} if model_only else prepared.stateful()).items():
             if sharded and name == "optimizer":
                 continue  # in the DCP shards, beside their model's
             for i, obj in enumerate(objs):

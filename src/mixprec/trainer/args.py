@@ -52,10 +52,6 @@ _UNSUPPORTED = {
     "trackio_space_id": "trackio Spaces are not integrated (report_to='trackio' logs locally)",
     "trackio_bucket_id": "trackio Spaces are not integrated", "trackio_static_space_id": "trackio Spaces are not integrated",
     "optim_target_modules": "optimizers such as GaLore are not integrated",
-    "save_on_each_node": "the main process writes each checkpoint (to a filesystem every node sees)",
-    "save_only_model": "not implemented yet: a checkpoint holds what a resume needs; for the model alone call "
-                       "trainer.save_model(path)",
-    "local_rank": "torchrun's LOCAL_RANK decides the device",
 }
 
 
@@ -311,6 +307,15 @@ class TrainingArguments:
         _one_of("train_sampling_strategy", self.train_sampling_strategy, _SAMPLING)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
         _one_of("on_save_error", self.on_save_error, ("raise", "warn"))
+        env_rank = os.environ.get("LOCAL_RANK")
+        if self.local_rank != -1 and str(self.local_rank) != (env_rank if env_rank is not None else "0"):
+            raise ValueError(f"local_rank={self.local_rank} disagrees with the launcher's LOCAL_RANK ({env_rank}): "
+                             "launch with torchrun (or accelerate launch), which sets LOCAL_RANK, and leave "
+                             "local_rank at -1 (it is read from there)")
+        if self.save_on_each_node and self.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)):
+            raise ValueError("save_on_each_node=True on several machines is not supported: mixprec writes each "
+                             "checkpoint once, from the main process; give output_dir a filesystem every machine sees "
+                             "and leave save_on_each_node False (on one machine it changes nothing)")
         for name in ("log_level", "log_level_replica"):
             _one_of(name, getattr(self, name), tuple(_LOG_LEVELS))
         self.precision_config  # noqa: B018 - validates the precision's options together

@@ -202,12 +202,13 @@ def _save_weights(folder: Path, model: Any, written: list[str], save_safetensors
 
 def write_trainer_checkpoint(accelerator: Any, final: Path, model: Any, extra_files: dict[str, str | bytes], *,
                              save_safetensors: bool = True, processing_class: Any = None,
-                             states: dict[str, Any] | None = None) -> Path:
+                             states: dict[str, Any] | None = None, model_only: bool = False) -> Path:
     """Write ``final`` (``output_dir/checkpoint-N``) atomically, in one commit: the Accelerator's
     state, ``extra_files`` (name -> text or bytes), and Hugging Face's files (:func:`_save_weights`,
     the tokenizer or processor as transformers saves it; ``optimizer.pt`` and ``scheduler.pt``
     are ``states`` where given, in transformers' parameter groups, else links to the
-    Accelerator's files); every process calls it."""
+    Accelerator's files); ``model_only``: the weights without the optimizer, schedule, scaler and
+    random state (``save_only_model``). Every process calls it."""
     def hugging_face_layout(folder: Path, written: dict[str, list[str]]) -> None:
         if written.get("optimizer"):
             for name, state in (states or {}).items():
@@ -220,4 +221,4 @@ def write_trainer_checkpoint(accelerator: Any, final: Path, model: Any, extra_fi
         if hasattr(processing_class, "save_pretrained"):
             processing_class.save_pretrained(str(folder))
 
-    return accelerator.save_state(final, extra_files=extra_files, finish=hugging_face_layout)
+    return accelerator.save_state(final, extra_files=extra_files, finish=hugging_face_layout, model_only=model_only)

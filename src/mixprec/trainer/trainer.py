@@ -451,6 +451,10 @@ class Trainer:
                                                    lr_scheduler=self.lr_scheduler)
                 self._transformers_resume = rng if rng is not None else {}
                 return path
+            if not any((path / name).exists() for name in ("optimizer_0.bin", "optimizer.pt", "model_0")):
+                raise ValueError(f"{path} holds the model's weights only (written with save_only_model=True): a run "
+                                 "cannot resume from it; load the weights (from_pretrained, or a Trainer's "
+                                 "load_best_model_at_end) and start a new run, or save with save_only_model=False")
             try:
                 problem = checkpoint_problem(path) if resume == "auto" else None
                 if problem is None:
@@ -865,12 +869,14 @@ class Trainer:
                  "training_args.json": self.args.to_json_string()}
         if pickled := args_bin(self.args):
             files["training_args.bin"] = pickled
-        files.update(transformers_rng_files(self.accelerator.process_index, self.accelerator.num_processes))
+        only_model = self.args.save_only_model
+        if not only_model:
+            files.update(transformers_rng_files(self.accelerator.process_index, self.accelerator.num_processes))
         inner = self.accelerator.unwrap_model(self.model)
         write_trainer_checkpoint(self.accelerator, path, inner, files, save_safetensors=self.args.save_safetensors,
-                                 processing_class=self.processing_class,
+                                 processing_class=self.processing_class, model_only=only_model,
                                  states=states_for_transformers(self.optimizer, self.lr_scheduler, inner)
-                                 if self.accelerator.is_main_process else None)
+                                 if self.accelerator.is_main_process and not only_model else None)
         if self.accelerator.is_main_process:
             rotate_checkpoints_of(out, self.args.save_total_limit, self.state.best_model_checkpoint)
         self._event("on_save")
