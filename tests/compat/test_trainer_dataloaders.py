@@ -179,3 +179,26 @@ def test_log_level_info_prints_transformers_training_summary(tmp_path, caplog):
     with pytest.raises(ValueError, match="log_level_replica='loud' is not valid"):
         mixprec.TrainingArguments(output_dir="o", log_level_replica="loud")
     logging.getLogger("mixprec").setLevel(logging.NOTSET)
+
+
+@pytest.mark.parametrize("greater", [False, True])
+def test_best_model_selection_and_rotation_agree_with_transformers(greater, tmp_path, one_thread):
+    """Evaluate and save every 2 steps, keep 2 checkpoints, load the best at the end (by the
+    eval loss, or its opposite so that the best is an early one): the same checkpoints kept, the
+    same best metric, and the same final weights as transformers."""
+    from test_differential import trainer_run
+
+    kept, weights, best = {}, {}, {}
+    for lib in (transformers, mixprec):
+        out = tmp_path / lib.__name__
+        history, weights[lib.__name__], _ = trainer_run(
+            lib.Trainer, lib.TrainingArguments, str(out), eval_strategy="steps", eval_steps=2, save_strategy="steps",
+            save_steps=2, save_total_limit=2, load_best_model_at_end=True, metric_for_best_model="loss",
+            greater_is_better=greater)
+        kept[lib.__name__] = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
+        evals = [r["eval_loss"] for r in history if "eval_loss" in r]
+        best[lib.__name__] = (max if greater else min)(evals)
+    assert kept["mixprec"] == kept["transformers"] and len(kept["mixprec"]) == 2
+    assert math.isclose(best["mixprec"], best["transformers"], rel_tol=1e-6)
+    theirs, ours = weights["transformers"], weights["mixprec"]
+    assert all(torch.allclose(theirs[k], ours[k], rtol=1e-5, atol=1e-7) for k in theirs)

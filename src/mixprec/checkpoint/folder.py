@@ -232,16 +232,25 @@ def numbered_checkpoints(root: str | os.PathLike, stem: str, *, complete: bool =
 
 
 def rotate_checkpoints(root: str | os.PathLike, stem: str, limit: int | None, keep: tuple[Path, ...] = ()) -> None:
-    """Keep the newest ``limit`` complete ``<stem><n>`` folders of ``root`` and those in ``keep``
-    (the best one); delete the older ones and the staging folders that crashed saves left. Call
-    it after a save completed, so the newest complete checkpoint is never among those deleted."""
+    """Keep ``limit`` complete ``<stem><n>`` folders of ``root``, the newest, counting the one in
+    ``keep`` (the best) among them, as Hugging Face's Trainer counts it: the best is kept as if it
+    were the second newest (so ``limit`` >= 2 keeps the newest, the best and the next newest; 1
+    keeps the best and the newest). Delete the others and the staging folders that crashed saves
+    left. Call it after a save completed, so the newest complete checkpoint is never deleted."""
     root = Path(root)
     for stale in root.glob(f".{stem}*.tmp-*") if root.is_dir() else ():
         shutil.rmtree(stale, ignore_errors=True)
     if limit is None:
         return
-    done = numbered_checkpoints(root, stem)
-    kept = set(done[len(done) - limit:] if limit else []) | {Path(k) for k in keep}
+    order = numbered_checkpoints(root, stem)
+    done = list(order)
+    best = [Path(k) for k in keep if Path(k) in order]
+    for b in best:
+        i = order.index(b)
+        order.insert(max(i, len(order) - 2), order.pop(i))
+    if best and limit == 1 and order and order[-1] not in best:
+        limit = 2  # the best and the newest: a run can still resume from its last checkpoint
+    kept = set(order[len(order) - limit:] if limit else []) | set(best)
     for old in done:
         if old not in kept:
             log.info("mixprec: deleting %s (a limit of %d checkpoints)", old, limit)

@@ -53,8 +53,8 @@ def list_checkpoints(out: Path) -> list[Path]:
 
 
 def rotate_checkpoints_of(out: Path, limit: int | None, best: str | None) -> None:
-    """Keep the newest ``limit`` checkpoints and, always, the best one (with ``limit=1`` that keeps
-    the best and the newest, as Hugging Face does); remove staging folders of crashed saves."""
+    """Keep ``limit`` checkpoints, the best counted among them as Hugging Face counts it (see
+    :func:`~mixprec.checkpoint.folder.rotate_checkpoints`); remove staging folders of crashed saves."""
     rotate_checkpoints(out, STEM, limit, keep=(Path(best),) if best is not None else ())
 
 
