@@ -202,3 +202,22 @@ def test_best_model_selection_and_rotation_agree_with_transformers(greater, tmp_
     assert math.isclose(best["mixprec"], best["transformers"], rel_tol=1e-6)
     theirs, ours = weights["transformers"], weights["mixprec"]
     assert all(torch.allclose(theirs[k], ours[k], rtol=1e-5, atol=1e-7) for k in theirs)
+
+
+def test_memory_metrics_are_reported_under_transformers_names(tmp_path):
+    """skip_memory_metrics=False: train's metrics (logged) hold init's and train's CPU figures,
+    evaluate's and predict's their own, under the names transformers gives them."""
+    keys = {}
+    for lib in (transformers, mixprec):
+        trainer = _trainer(lib, tmp_path, skip_memory_metrics=False, max_steps=2)
+        trained = trainer.train().metrics
+        evaluated = trainer.evaluate(_Rows())
+        predicted = trainer.predict(_Rows()).metrics
+        keys[lib.__name__] = ({k for k in trained if "_mem_" in k or k.startswith("before_init")},
+                              {k for k in evaluated if "_mem_" in k}, {k for k in predicted if "_mem_" in k})
+        logged = trainer.state.log_history[-2] if "eval_loss" in trainer.state.log_history[-1] else \
+            trainer.state.log_history[-1]
+        assert "train_mem_cpu_alloc_delta" in logged, lib
+    assert keys["mixprec"] == keys["transformers"]
+    assert keys["mixprec"][0] == {"before_init_mem_cpu", "init_mem_cpu_alloc_delta", "init_mem_cpu_peaked_delta",
+                                  "train_mem_cpu_alloc_delta", "train_mem_cpu_peaked_delta"}

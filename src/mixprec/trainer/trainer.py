@@ -59,6 +59,7 @@ from mixprec.trainer.evaluation import (
     predict_batch,
 )
 from mixprec.trainer.export import args_bin, save_model_files, write_model_card
+from mixprec.trainer.memory import MemoryTracker
 from mixprec.trainer.nonfinite import SkipRecorder, find_nonfinite_inputs
 from mixprec.trainer.reporters import (
     JsonlLoggerCallback,
@@ -143,6 +144,8 @@ class Trainer:
                  optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
                  preprocess_logits_for_metrics: Any = None) -> None:
         self.args = args if args is not None else TrainingArguments()
+        self._memory_tracker = MemoryTracker(not self.args.skip_memory_metrics)  # skip_memory_metrics=False
+        self._memory_tracker.start("init")
         if not isinstance(self.args, TrainingArguments):
             raise TypeError(f"args must be mixprec.TrainingArguments, got {type(self.args).__name__}")
         self.args.validate()
@@ -187,6 +190,7 @@ class Trainer:
                                   precision=self.accelerator.policy.name)
         self.control = TrainerControl()
         self._event("on_init_end")
+        self._memory_tracker.stop("init")
 
     def create_accelerator_and_postprocess(self) -> None:
         """``self.accelerator``: a fresh :class:`~mixprec.Accelerator` from ``args`` (the precision,
@@ -390,6 +394,7 @@ class Trainer:
             raise ValueError("trial: hyperparameter search is not supported by mixprec's Trainer")
         self._ignore_keys_for_eval = ignore_keys_for_eval
         self.args.validate()
+        self._memory_tracker.start("train")
         neftune = _activate_neftune(self.model, self.args.neftune_noise_alpha, self.accelerator)
         try:
             with self._output_dir_lock():
@@ -399,6 +404,7 @@ class Trainer:
                 else:
                     result = self._train(resume_from_checkpoint)
         finally:
+            self._memory_tracker.stop("train")  # (measured into the metrics already, unless it failed)
             if neftune is not None:  # the noise is for training only
                 neftune.remove()
         if self._preempted_at is not None:
@@ -899,6 +905,7 @@ class Trainer:
         self.store_flos()
         self._flush_tokens()
         metrics["total_flos"] = float(s.total_flos)
+        self._memory_tracker.stop("train", metrics)
         if self._preempted_at is None:  # a preempted run's summary would be logged past its checkpoint
             self.log(metrics)
         # What transformers returns (with its default progress bar): the logged summary and the epoch.
@@ -929,9 +936,11 @@ class Trainer:
             for name, part in ds.items():
                 metrics.update(self.evaluate(part if override else name, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
+        self._memory_tracker.start("eval")
         out = self._run_evaluation(self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix)
         self.log(out.metrics)
         self._event("on_evaluate", metrics=out.metrics)
+        self._memory_tracker.stop("eval", out.metrics)  # returned, not logged (as transformers)
         return out.metrics
 
     # -- Hugging Face's helpers ---------------------------------------------------------------
@@ -1084,8 +1093,10 @@ class Trainer:
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (numpy), labels (where present) and metrics on ``test_dataset``."""
+        self._memory_tracker.start("test")
         out = self._run_evaluation(self.get_test_dataloader(test_dataset), ignore_keys, metric_key_prefix)
         self._event("on_predict", metrics=out.metrics)
+        self._memory_tracker.stop("test", out.metrics)
         return PredictionOutput(out.predictions, out.label_ids, out.metrics)
 
     def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str) -> EvalLoopOutput:
