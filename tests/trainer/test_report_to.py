@@ -48,3 +48,34 @@ def test_a_run_logs_its_losses_to_mlflow_and_dvclive(tmp_path, monkeypatch):
     assert run.data.params["learning_rate"] == str(args.learning_rate)  # the arguments as the run's config
     dvc_losses = (tmp_path / "dvclive" / "plots" / "metrics" / "loss.tsv").read_text().split("\n")[1:]
     assert len([line for line in dvc_losses if line]) == 4
+
+
+@pytest.mark.slow
+def test_a_run_logs_its_losses_and_arguments_to_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    import json
+
+    from test_tracking import _wandb_records
+
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DIR": tmp_path,
+           "WANDB_CONFIG_DIR": tmp_path / "config", "WANDB_CACHE_DIR": tmp_path / "cache",
+           "WANDB_DATA_DIR": tmp_path / "data", "WANDB_DISABLE_GIT": "true"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+    monkeypatch.chdir(tmp_path)
+    x = torch.linspace(-1, 1, 16)
+    data = [{"x": x[i], "labels": 3 * x[i]} for i in range(16)]
+    args = mixprec.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                                     logging_steps=1, report_to="wandb", save_strategy="no", disable_tqdm=True,
+                                     use_cpu=True, learning_rate=0.25)
+    trainer = mixprec.Trainer(model=_Line(), args=args, train_dataset=data)
+    trainer.train()
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    records = _wandb_records(run_file)
+    config = {u.key: json.loads(u.value_json) for r in records if r.WhichOneof("record_type") == "config"
+              for u in r.config.update}
+    assert config["learning_rate"] == 0.25 and config["train_batch_size"] == 4
+    history = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    losses = [(h["_step"], round(h["loss"], 4)) for h in history if "loss" in h]
+    assert losses == [(r["step"], round(r["loss"], 4)) for r in trainer.state.log_history if "loss" in r]
