@@ -63,6 +63,9 @@ def test_a_run_logs_its_losses_and_arguments_to_wandb_offline(tmp_path, monkeypa
     for key, value in env.items():
         monkeypatch.setenv(key, str(value))
     monkeypatch.chdir(tmp_path)
+    import wandb
+
+    wandb.teardown()  # an earlier run in this process left wandb's settings (its folder) behind
     x = torch.linspace(-1, 1, 16)
     data = [{"x": x[i], "labels": 3 * x[i]} for i in range(16)]
     args = mixprec.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,

@@ -65,8 +65,12 @@ def write_model_card(trainer: Any, *, language: Any = None, license: str | None 
     """``trainer.args.output_dir/README.md``: a draft model card (YAML metadata, then the
     hyperparameters, the evaluation results logged and the versions), as transformers' Trainer
     drafts one."""
-    import mixprec
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        ours = version("mixprec")
+    except PackageNotFoundError:  # run from a source tree without installing
+        ours = "(source tree)"
     args, state = trainer.args, trainer.state
     name = model_name or Path(args.output_dir).name
     meta = {"language": _listed(language), "license": license, "tags": ["generated_from_trainer", "mixprec",
@@ -100,7 +104,7 @@ def write_model_card(trainer: Any, *, language: Any = None, license: str | None 
             cells = [f"{row[k]:.4g}" if isinstance(row.get(k), float) else str(row.get(k, "")) for k in keys]
             lines.append(f"| {row.get('step', '')} | {row.get('epoch', '')} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["## Framework versions", "", f"- mixprec {mixprec.__version__}", f"- PyTorch {torch.__version__}", ""]
+    lines += ["## Framework versions", "", f"- mixprec {ours}", f"- PyTorch {torch.__version__}", ""]
     path = Path(args.output_dir) / "README.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
