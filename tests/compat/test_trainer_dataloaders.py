@@ -221,3 +221,53 @@ def test_memory_metrics_are_reported_under_transformers_names(tmp_path):
     assert keys["mixprec"] == keys["transformers"]
     assert keys["mixprec"][0] == {"before_init_mem_cpu", "init_mem_cpu_alloc_delta", "init_mem_cpu_peaked_delta",
                                   "train_mem_cpu_alloc_delta", "train_mem_cpu_peaked_delta"}
+
+
+class _Sentences(torch.utils.data.Dataset):
+    """Token sequences of 2 to 12 tokens; the label is the sequence's first token's parity."""
+
+    def __init__(self, n: int = 48) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.rows = [torch.randint(1, 50, (int(torch.randint(2, 13, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.rows[i], "labels": self.rows[i][0] % 2}
+
+
+def _pad(rows: list[dict]) -> dict:
+    ids = torch.nn.utils.rnn.pad_sequence([r["input_ids"] for r in rows], batch_first=True)
+    return {"input_ids": ids, "labels": torch.stack([torch.as_tensor(r["labels"]) for r in rows])}
+
+
+class _Bag(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = torch.nn.Embedding(50, 8, padding_idx=0), torch.nn.Linear(8, 2)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.out(self.emb(input_ids).sum(1) / (input_ids > 0).sum(1, keepdim=True))
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_group_by_length_batches_and_trains_as_under_transformers(tmp_path, one_thread):
+    """train_sampling_strategy="group_by_length": transformers' LengthGroupedSampler for training
+    and evaluation, so two epochs end on transformers' weights and eval loss."""
+    results = {}
+    for lib in (transformers, mixprec):
+        args = lib.TrainingArguments(output_dir=str(tmp_path / lib.__name__), num_train_epochs=2,
+                                     per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=0.05,
+                                     train_sampling_strategy="group_by_length", logging_steps=1, report_to="none",
+                                     disable_tqdm=True, use_cpu=True, seed=3, save_strategy="no",
+                                     per_device_eval_batch_size=8)
+        trainer = lib.Trainer(model=_Bag(), args=args, train_dataset=_Sentences(), eval_dataset=_Sentences(16),
+                              data_collator=_pad)
+        trainer.train()
+        results[lib.__name__] = (trainer.evaluate()["eval_loss"],
+                                 {k: v.clone() for k, v in trainer.model.state_dict().items()})
+    (their_eval, theirs), (our_eval, ours) = results.values()
+    assert all(torch.allclose(theirs[k], ours[k], rtol=1e-5, atol=1e-7) for k in theirs)
+    assert math.isclose(our_eval, their_eval, rel_tol=1e-5)

@@ -277,12 +277,33 @@ class Trainer:
             kwargs.update(persistent_workers=a.dataloader_persistent_workers, in_order=a.dataloader_in_order,
                           prefetch_factor=a.dataloader_prefetch_factor,
                           multiprocessing_context=a.dataloader_multiprocessing_context)
-        if shuffle and not isinstance(ds, IterableDataset) and a.train_sampling_strategy == "random":
+        iterable = isinstance(ds, IterableDataset)
+        if not iterable and a.train_sampling_strategy == "group_by_length":
+            kwargs["sampler"] = self._length_grouped_sampler(ds, batch_size * a.gradient_accumulation_steps
+                                                             if shuffle else batch_size, shuffle)
+        elif shuffle and not iterable and a.train_sampling_strategy == "random":
             # Shuffled by the prepared loader as transformers' is (Accelerate's seedable sampler, the
             # default of accelerator_config): epoch e's order from data_seed (else torch's initial
             # seed, which the Trainer set to seed) + e, the same on every process.
             kwargs["sampler"] = RandomSampler(ds)
         return self.accelerator.prepare_data_loader(DataLoader(ds, **kwargs), checkpoint=checkpoint)
+
+    def _length_grouped_sampler(self, ds: Any, megabatch: int, training: bool) -> Any:
+        """transformers' ``LengthGroupedSampler`` over ``ds`` (``train_sampling_strategy="group_by_length"``):
+        the lengths from ``length_column_name`` of a ``datasets.Dataset``, else from each sample's
+        main input; for training shuffled by torch's RNG, for evaluation by ``data_seed`` (else
+        ``seed``), as transformers builds them."""
+        try:
+            from transformers.trainer_pt_utils import LengthGroupedSampler
+        except ImportError as e:
+            raise ImportError("train_sampling_strategy='group_by_length' uses transformers' LengthGroupedSampler: "
+                              "pip install transformers, or use 'random'") from e
+        a = self.args
+        names = getattr(ds, "column_names", None)
+        lengths = ds[a.length_column_name] if names is not None and a.length_column_name in names else None
+        main = getattr(self.processing_class, "model_input_names", [None])[0]
+        seeded = None if training else torch.Generator().manual_seed(a.data_seed if a.data_seed is not None else a.seed)
+        return LengthGroupedSampler(megabatch, dataset=ds, lengths=lengths, model_input_name=main, generator=seeded)
 
     def get_train_dataloader(self) -> Any:
         """The training dataloader: shuffled by ``data_seed`` (else ``seed``), batches fetched at once.
