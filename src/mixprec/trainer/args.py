@@ -55,6 +55,27 @@ _UNSUPPORTED = {
 }
 
 
+# The fields transformers also takes as a JSON object's text.
+_DICT_FIELDS = ("accelerator_config", "fsdp_config", "deepspeed", "activation_checkpointing_kwargs",
+                "gradient_checkpointing_kwargs", "lr_scheduler_kwargs")
+
+
+def _typed_values(d: dict[str, Any]) -> dict[str, Any]:
+    """A JSON object's text values read as transformers reads them: "true"/"false" as bools,
+    digits as numbers, nested objects alike."""
+    for key, value in d.items():
+        if isinstance(value, dict):
+            d[key] = _typed_values(value)
+        elif isinstance(value, str):
+            if value.lower() in ("true", "false"):
+                d[key] = value.lower() == "true"
+            elif value.isdigit():
+                d[key] = int(value)
+            elif value.replace(".", "", 1).isdigit():
+                d[key] = float(value)
+    return d
+
+
 def _reporter_names() -> tuple[str, ...]:
     from mixprec.tracking.registry import TRACKER_CLASSES
 
@@ -164,10 +185,10 @@ class TrainingArguments:
     bf16: bool = False
     fp16_full_eval: bool = False
     bf16_full_eval: bool = False
-    gradient_checkpointing: bool | None = None
-    gradient_checkpointing_kwargs: dict[str, Any] | None = None
-    activation_checkpointing: bool | None = None
-    activation_checkpointing_kwargs: dict[str, Any] | None = None
+    gradient_checkpointing: bool | None = False
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
+    activation_checkpointing: bool | None = False
+    activation_checkpointing_kwargs: dict[str, Any] | str | None = None
     use_cache: bool = False
     dataloader_num_workers: int = 0
     dataloader_drop_last: bool = False
@@ -183,7 +204,7 @@ class TrainingArguments:
     metric_for_best_model: str | None = None
     greater_is_better: bool | None = None
     restore_callback_states_from_checkpoint: bool = False
-    report_to: str | list[str] | None = "jsonl"
+    report_to: None | str | list[str] = "jsonl"
     disable_tqdm: bool | None = None
     resume_from_checkpoint: str | None = None
     torch_compile: bool = False
@@ -200,8 +221,8 @@ class TrainingArguments:
     trace_overflow: bool = False
     drift_steps: int = 0
     # Sharding with FSDP2 (Hugging Face's names): see the fsdp_plugin property
-    fsdp: Any = None
-    fsdp_config: Any = None
+    fsdp: str | None = None  # (or True, or a list of options)
+    fsdp_config: dict[str, Any] | str | None = None
     # Hugging Face's, unsupported: only their defaults are accepted (see _UNSUPPORTED)
     push_to_hub: bool = False
     hub_token: str | None = None
@@ -210,9 +231,9 @@ class TrainingArguments:
     hub_strategy: str = "every_save"
     hub_always_push: bool = False
     hub_revision: str | None = None
-    deepspeed: Any = None
-    accelerator_config: Any = None
-    parallelism_config: Any = None
+    deepspeed: dict | str | None = None
+    accelerator_config: dict | str | None = None  # (or transformers' AcceleratorConfig)
+    parallelism_config: dict | str | None = None
     use_liger_kernel: bool = False
     liger_kernel_config: dict[str, Any] | None = None
     neftune_noise_alpha: float | None = None
@@ -222,12 +243,12 @@ class TrainingArguments:
     torch_compile_backend: str | None = None
     torch_compile_mode: str | None = None
     optim_args: str | None = None
-    optim_target_modules: Any = None
-    lr_scheduler_kwargs: dict[str, Any] | None = None
+    optim_target_modules: None | str | list[str] = None
+    lr_scheduler_kwargs: dict | str | None = None
     label_smoothing_factor: float = 0.0
     tf32: bool | None = None
     auto_find_batch_size: bool = False
-    include_num_input_tokens_seen: Any = "no"
+    include_num_input_tokens_seen: str | bool = "no"
     save_only_model: bool = False
     save_on_each_node: bool = False
     enable_jit_checkpoint: bool = False
@@ -243,7 +264,7 @@ class TrainingArguments:
     ddp_static_graph: bool | None = None
     ddp_backend: str | None = None
     ddp_timeout: int = 1800
-    debug: Any = ""
+    debug: str | list[str] = ""
     torch_empty_cache_steps: int | None = None
     skip_memory_metrics: bool = True
     local_rank: int = -1
@@ -277,6 +298,10 @@ class TrainingArguments:
         if self.output_dir is None:
             self.output_dir = "trainer_output"
         self.output_dir = os.path.expanduser(os.fspath(self.output_dir))  # "~/runs" as transformers expands it
+        for name in _DICT_FIELDS:  # a JSON object given as text (the command line), read as transformers reads it
+            value = getattr(self, name)
+            if isinstance(value, str) and value.lstrip().startswith("{"):
+                setattr(self, name, _typed_values(json.loads(value)))
         if self.use_cpu:  # as transformers: no pinned memory without a device to copy to
             self.dataloader_pin_memory = False
         for name in ("eval_strategy", "save_strategy", "logging_strategy", "optim", "lr_scheduler_type",
@@ -327,8 +352,6 @@ class TrainingArguments:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0 (0 switches it off), got {v!r}")
         _one_of("lr_scheduler_type", self.lr_scheduler_type, SCHEDULER_TYPES)
-        if isinstance(self.lr_scheduler_kwargs, str):  # transformers takes a JSON string too
-            self.lr_scheduler_kwargs = json.loads(self.lr_scheduler_kwargs)
         if self.lr_scheduler_type in METRIC_DRIVEN and self.eval_strategy == "no":
             raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r} steps with the evaluation metric: "
                              "set eval_strategy ('steps' or 'epoch') so there is one")
