@@ -380,6 +380,11 @@ class PreparedDataLoader(DataLoader):
             raise ValueError(f"the number of batches to skip must be >= 0, got {n}")
         self._skip = n
 
+    @property
+    def batches_to_skip(self) -> int:
+        """Batches the next epoch skips at its start (set by :meth:`skip_batches` or a restored position)."""
+        return self._skip
+
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: epochs started, batches yielded in this one, the epoch's RNG state."""
         if not self._in_epoch:  # between epochs: the next one starts from the generator as it is now
@@ -543,6 +548,8 @@ class IterableLoader:
         if n < 0:
             raise ValueError(f"the number of batches to skip must be >= 0, got {n}")
         self._skip = n
+
+    batches_to_skip = PreparedDataLoader.batches_to_skip
 
     def batch_indices(self, position: int) -> None:
         """``None``: an iterable does not tell which samples a batch holds."""

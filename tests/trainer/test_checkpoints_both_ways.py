@@ -238,3 +238,28 @@ def test_save_only_model_writes_the_weights_alone_and_refuses_a_resume_from_them
     assert trainer.state.best_model_checkpoint is not None
     with pytest.raises(ValueError, match=r"save_only_model=True\): a run cannot resume from it"):
         run(mixprec.Trainer, mixprec.TrainingArguments, tmp_path / "mp", resume=str(folder), save_only_model=True)
+
+
+def test_a_resume_skips_through_get_resumed_dataloader_which_an_override_replaces(tmp_path, one_thread):
+    """A mid-epoch resume asks get_resumed_dataloader for the loader, as transformers does: the
+    default skips the trained batches (the same run as without the override); an override that
+    positions the loader itself is what the run iterates."""
+    calls = []
+
+    class Counting(mixprec.Trainer):
+        def get_resumed_dataloader(self, dataloader, num_batches):
+            calls.append(num_batches)
+            return super().get_resumed_dataloader(dataloader, num_batches)
+
+    reference, ref_weights = run(mixprec.Trainer, mixprec.TrainingArguments, tmp_path / "a")
+    folder = checkpoint_copy(tmp_path / "a", 3, tmp_path / "b")
+    resumed, weights = run(Counting, mixprec.TrainingArguments, folder.parent, resume=str(folder))
+    assert calls == [6]  # 3 steps of 2 accumulated batches
+    same_run(resumed.state.log_history, weights, reference.state.log_history, ref_weights)
+
+    class Replacing(mixprec.Trainer):
+        def get_resumed_dataloader(self, dataloader, num_batches):
+            return list(dataloader)
+
+    with pytest.raises(ValueError, match="must return the dataloader it was given"):
+        run(Replacing, mixprec.TrainingArguments, folder.parent, resume=str(folder))

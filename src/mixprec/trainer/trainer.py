@@ -552,6 +552,8 @@ class Trainer:
             if args.ignore_data_skip:  # as transformers: the data starts over; the steps and schedule go on
                 train_dl.set_epoch(0)
                 train_dl.skip_batches(0)
+            elif train_dl.batches_to_skip:  # the epoch's trained batches, skipped by get_resumed_dataloader
+                self._resumed_loader(train_dl)
             self._load_callback_state()
             if acc.is_main_process:  # the steps after the checkpoint are replayed: log each once
                 trim_logs_after(args.output_dir, saved.global_step)
@@ -583,6 +585,17 @@ class Trainer:
         with Preemption() as self._preemption:
             self._epochs(model, train_dl, epochs, max_steps)
         return self._finish(start_time)
+
+    def _resumed_loader(self, train_dl: Any) -> None:
+        """Let :meth:`get_resumed_dataloader` skip the batches the resumed epoch trained on (its
+        default sets the loader's skip, as restored; an override may restore its loader's own
+        state instead and skip nothing)."""
+        n = train_dl.batches_to_skip
+        train_dl.skip_batches(0)
+        if self.get_resumed_dataloader(train_dl, n) is not train_dl:
+            raise ValueError("get_resumed_dataloader() must return the dataloader it was given, positioned (with "
+                             "accelerator.skip_first_batches, or by restoring its own state): mixprec's loop keeps "
+                             "that one loader, whose position its checkpoints save")
 
     def _log_training_summary(self, train_dl: Any, resume_path: Path | None) -> None:
         """transformers' "***** Running training *****" lines (at INFO: ``log_level="info"``)."""
