@@ -271,3 +271,22 @@ def test_group_by_length_batches_and_trains_as_under_transformers(tmp_path, one_
     (their_eval, theirs), (our_eval, ours) = results.values()
     assert all(torch.allclose(theirs[k], ours[k], rtol=1e-5, atol=1e-7) for k in theirs)
     assert math.isclose(our_eval, their_eval, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["batch_rebalance"])
+def test_batch_rebalance_trains_as_under_transformers(strategy, tmp_path, one_thread):
+    """train_sampling_strategy="batch_rebalance": transformers' BatchRebalanceSampler (micro-batches
+    of balanced cost, variable sizes), not sharded again: two epochs end on transformers' weights."""
+    weights = {}
+    for lib in (transformers, mixprec):
+        args = lib.TrainingArguments(output_dir=str(tmp_path / lib.__name__), num_train_epochs=2,
+                                     per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=0.05,
+                                     train_sampling_strategy=strategy, logging_steps=1, report_to="none",
+                                     disable_tqdm=True, use_cpu=True, seed=3, save_strategy="no")
+        trainer = lib.Trainer(model=_Bag(), args=args, train_dataset=_Sentences(), data_collator=_pad)
+        trainer.train()
+        weights[lib.__name__] = ({k: v.clone() for k, v in trainer.model.state_dict().items()},
+                                 trainer.state.global_step)
+    (theirs, their_steps), (ours, our_steps) = weights.values()
+    assert our_steps == their_steps
+    assert all(torch.allclose(theirs[k], ours[k], rtol=1e-5, atol=1e-7) for k in theirs)

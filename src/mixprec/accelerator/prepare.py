@@ -232,13 +232,16 @@ class Preparer:
         self.prepared.schedulers.append(wrapped)
         return self._mark_prepared(wrapped)
 
-    def prepare_data_loader(self, dataloader: DataLoader, *, checkpoint: bool = True) -> PreparedDataLoader:
+    def prepare_data_loader(self, dataloader: DataLoader, *, checkpoint: bool = True,
+                            presharded: bool = False) -> PreparedDataLoader:
         """Batches on the device, and each process its own shard of every batch round.
 
         Args:
             dataloader: the user's ``DataLoader``.
             checkpoint: save and restore its position in :meth:`save_state` (off for loaders
                 made afresh for each evaluation).
+            presharded: its batch sampler already gives this process its own batches (a
+                rank-aware one, transformers' ``BatchRebalanceSampler``): not sharded again.
         """
         # The shuffle order as Accelerate's prepared loader gives it for the same seed: with
         # use_seedable_sampler (or a data_seed), seed + epoch; in one process, torch's RandomSampler
@@ -259,8 +262,8 @@ class Preparer:
             shuffle = "continue"
             seed = D.broadcast_object(int(torch.empty((), dtype=torch.int64).random_().item())) if needs_seed else 0
         device = self.state.device if self.device_placement else None
-        prepared = PreparedDataLoader(dataloader, device=device, world_size=self.state.num_processes,
-                                      rank=self.state.process_index, seed=seed, float_dtype=self.current_precision().input_dtype,
+        world, rank = (1, 0) if presharded else (self.state.num_processes, self.state.process_index)
+        prepared = PreparedDataLoader(dataloader, device=device, world_size=world, rank=rank, seed=seed, float_dtype=self.current_precision().input_dtype,
                                       on_iter=self.gradient_state._add_dataloader,
                                       on_end=self.gradient_state._remove_dataloader,
                                       non_blocking=config.non_blocking, resume_position=config.use_stateful_dataloader,

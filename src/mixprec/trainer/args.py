@@ -36,7 +36,7 @@ _DEBUG = ("underflow_overflow", "tpu_metrics_debug")
 # transformers' log level names ("passive": leave the level as it is).
 _LOG_LEVELS = {"detail": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
                "error": logging.ERROR, "critical": logging.CRITICAL, "passive": -1}
-_SAMPLING = ("random", "sequential", "group_by_length")
+_SAMPLING = ("random", "sequential", "group_by_length", "batch_rebalance")
 
 # Hugging Face fields for features mixprec does not have. They exist (code that reads them works)
 # and keep Hugging Face's default; any other value is refused with the field's name and why,
@@ -329,9 +329,6 @@ class TrainingArguments:
             raise ValueError("save_strategy='best' saves when an evaluation finds a new best metric_for_best_model: "
                              "set metric_for_best_model (e.g. 'loss') and eval_strategy to 'steps' or 'epoch'")
         _one_of("optim", self.optim, optimizer_names())
-        if self.train_sampling_strategy == "batch_rebalance":
-            raise ValueError("train_sampling_strategy='batch_rebalance' is not supported by mixprec's Trainer yet; "
-                             "use 'group_by_length' (batches of similar lengths) or 'random'")
         _one_of("train_sampling_strategy", self.train_sampling_strategy, _SAMPLING)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
         _one_of("on_save_error", self.on_save_error, ("raise", "warn"))

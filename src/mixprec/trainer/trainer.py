@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -278,6 +278,12 @@ class Trainer:
                           prefetch_factor=a.dataloader_prefetch_factor,
                           multiprocessing_context=a.dataloader_multiprocessing_context)
         iterable = isinstance(ds, IterableDataset)
+        if shuffle and not iterable and a.train_sampling_strategy == "batch_rebalance":
+            # transformers' rank-aware batch sampler: each process's own batches, not sharded again
+            del kwargs["batch_size"], kwargs["drop_last"]
+            kwargs["batch_sampler"] = self._rebalance_sampler(ds)
+            return self.accelerator.preparer.prepare_data_loader(DataLoader(ds, **kwargs), checkpoint=checkpoint,
+                                                                 presharded=True)
         if not iterable and a.train_sampling_strategy == "group_by_length":
             kwargs["sampler"] = self._length_grouped_sampler(ds, batch_size * a.gradient_accumulation_steps
                                                              if shuffle else batch_size, shuffle)
@@ -304,6 +310,31 @@ class Trainer:
         main = getattr(self.processing_class, "model_input_names", [None])[0]
         seeded = None if training else torch.Generator().manual_seed(a.data_seed if a.data_seed is not None else a.seed)
         return LengthGroupedSampler(megabatch, dataset=ds, lengths=lengths, model_input_name=main, generator=seeded)
+
+    def _rebalance_sampler(self, ds: Any) -> Any:
+        """transformers' ``BatchRebalanceSampler`` (``train_sampling_strategy="batch_rebalance"``):
+        per optimizer step, ``train_batch_size x accumulation x processes`` samples split into
+        micro-batches of balanced cost (padding and attention), this process's share, as
+        transformers builds it."""
+        try:
+            from transformers.trainer_pt_utils import BatchRebalanceSampler
+        except ImportError as e:
+            raise ImportError("train_sampling_strategy='batch_rebalance' uses transformers' BatchRebalanceSampler: "
+                              "pip install transformers, or use 'group_by_length'") from e
+        a, acc = self.args, self.accelerator
+        names = getattr(ds, "column_names", None)
+        lengths = list(ds[a.length_column_name]) if names is not None and a.length_column_name in names else None
+        if lengths is None:
+            main = getattr(self.processing_class, "model_input_names", ["input_ids"])[0]
+            first = ds[0]
+            if not isinstance(first, Mapping) or main not in first:
+                raise ValueError(f"train_sampling_strategy='batch_rebalance' reads each sample's length from its "
+                                 f"{main!r}: give samples that are dicts with it, or a length_column_name column")
+            lengths = [len(ds[i][main]) for i in range(len(ds))]
+        ga = a.gradient_accumulation_steps
+        return BatchRebalanceSampler(lengths=lengths, effective_batch_size=self._train_batch_size * ga * acc.num_processes,
+                                     dp_size=acc.num_processes, grad_accum=ga, rank=acc.process_index,
+                                     drop_last=a.dataloader_drop_last)
 
     def get_train_dataloader(self) -> Any:
         """The training dataloader: shuffled by ``data_seed`` (else ``seed``), batches fetched at once.
