@@ -416,14 +416,19 @@ def _wandb_records(path: Path) -> list[Any]:
     return records
 
 
-def test_wandb_offline_run_holds_the_config_and_the_logged_steps(monkeypatch, tmp_path):
-    pytest.importorskip("wandb", reason="wandb is not installed: pip install wandb")
+def wandb_offline(monkeypatch, tmp_path) -> None:
+    """wandb offline, every file it writes under ``tmp_path`` (the working folder too)."""
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DIR": tmp_path,
            "WANDB_CONFIG_DIR": tmp_path / "config", "WANDB_CACHE_DIR": tmp_path / "cache",
            "WANDB_DATA_DIR": tmp_path / "data", "WANDB_DISABLE_GIT": "true"}
     for key, value in env.items():
         monkeypatch.setenv(key, str(value))
     monkeypatch.chdir(tmp_path)
+
+
+def test_wandb_offline_run_holds_the_config_and_the_logged_steps(monkeypatch, tmp_path):
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install wandb")
+    wandb_offline(monkeypatch, tmp_path)
 
     trackers = Trackers(LoggerType.WANDB)
     trackers.init("proj", config={"lr": 0.1, "optimizer": "adamw"},

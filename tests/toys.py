@@ -163,3 +163,41 @@ class Opens:
 
     def __exit__(self, *exc):
         builtins.open = io.open = self._real
+
+
+def sine_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` rows of 8 features (seed 1) and the sine of their sum: the differential tests' data."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    return x, x.sum(1, keepdim=True).sin()
+
+
+def sine_net() -> torch.nn.Module:
+    """8 -> 32 -> 1 with GELU, initialised from seed 0."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+
+
+class SineRows(torch.utils.data.Dataset):
+    """40 rows of :func:`sine_data` as ``{"x", "labels"}`` dicts, as a Trainer reads them."""
+
+    def __init__(self) -> None:
+        self.x, self.y = sine_data(40)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class SineRegressor(torch.nn.Module):
+    """:func:`sine_net` returning ``{"loss": mse, "logits"}`` as a Hugging Face model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = sine_net()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        out = self.body(x)
+        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}

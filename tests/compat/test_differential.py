@@ -15,19 +15,13 @@ import torch.nn.functional as F
 
 import mixprec
 
+from toys import SineRegressor as _Regressor
+from toys import SineRows as _Rows
+from toys import sine_data as _data
+from toys import sine_net as _net
+
 accelerate = pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
-
-
-def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 8, generator=g)
-    return x, x.sum(1, keepdim=True).sin()
-
-
-def _net() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
 
 
 def accelerate_loop(accelerator_cls: type, mixed_precision: str) -> dict:
@@ -81,27 +75,6 @@ def test_fp16_on_the_cpu_is_real_where_accelerate_silently_trains_in_fp32(one_th
     ours = accelerate_loop(mixprec.Accelerator, "fp16")
     assert ours["loss"] != theirs["loss"] and all(math.isfinite(v) for v in ours["loss"])
     assert abs(ours["loss"][-1] - theirs["loss"][-1]) < 0.05 * theirs["loss"][-1]  # close to fp32's, not equal
-
-
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.x, self.y = _data(40)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": self.x[i], "labels": self.y[i]}
-
-
-class _Regressor(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = _net()
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
-        out = self.body(x)
-        return {"loss": F.mse_loss(out, labels), "logits": out}
 
 
 def trainer_run(trainer_cls: type, args_cls: type, out: str, **more) -> tuple[list[dict], dict, object]:

@@ -56,7 +56,9 @@ def test_the_last_seven_names_of_transformers_trainer_behave_as_documented(tmp_p
     """evaluation_loop, get_batch_samples, set_initial_training_values (equal to transformers'),
     create_model_card, init_hf_repo, loss_is_scaled_for_ga, create_accelerator_and_postprocess."""
     import transformers
-    from test_differential import _Regressor, _Rows
+
+    from toys import SineRegressor as _Regressor
+    from toys import SineRows as _Rows
 
     def make(lib, **more):
         args = lib.TrainingArguments(output_dir=str(tmp_path / lib.__name__), report_to="none", disable_tqdm=True,

@@ -16,38 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import mixprec
 from mixprec.checkpoint import CheckpointError
 
+from toys import SineRegressor as _Regressor
+from toys import SineRows as _Rows
+
 transformers = pytest.importorskip("transformers")
 
 KEYS = ("loss", "grad_norm", "learning_rate", "eval_loss", "epoch", "step")
-
-
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(40, 8, generator=g)
-        self.y = self.x.sum(1, keepdim=True).sin()
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": self.x[i], "labels": self.y[i]}
-
-
-class _Regressor(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
-        out = self.body(x)
-        return {"loss": F.mse_loss(out, labels), "logits": out}
 
 
 def run(trainer_cls: type, args_cls: type, out: Path, resume=None, model=None, data=_Rows, callbacks=(), **more):

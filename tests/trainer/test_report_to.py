@@ -55,14 +55,9 @@ def test_a_run_logs_its_losses_and_arguments_to_wandb_offline(tmp_path, monkeypa
     pytest.importorskip("wandb")
     import json
 
-    from test_tracking import _wandb_records
+    from test_tracking import _wandb_records, wandb_offline
 
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DIR": tmp_path,
-           "WANDB_CONFIG_DIR": tmp_path / "config", "WANDB_CACHE_DIR": tmp_path / "cache",
-           "WANDB_DATA_DIR": tmp_path / "data", "WANDB_DISABLE_GIT": "true"}
-    for key, value in env.items():
-        monkeypatch.setenv(key, str(value))
-    monkeypatch.chdir(tmp_path)
+    wandb_offline(monkeypatch, tmp_path)
     import wandb
 
     wandb.teardown()  # an earlier run in this process left wandb's settings (its folder) behind
