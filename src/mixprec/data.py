@@ -464,7 +464,7 @@ class PreparedDataLoader(DataLoader):
         while current is not None:
             nxt = fetch()
             if first is None and not drop_last:
-                first = tree_map(lambda t: t[:w] if isinstance(t, torch.Tensor) else t, current)
+                first = _slice_rows(current, 0, w)
             rows = _rows(current)
             per = rows // w
             if nxt is None:
@@ -472,8 +472,7 @@ class PreparedDataLoader(DataLoader):
                     current, per = _concatenate([current, first]), per + 1
                 self._dispatch_remainder = per * w - rows
             if index >= skip:
-                yield tree_map(lambda t, lo=rank * per, hi=(rank + 1) * per:
-                               t[lo:hi] if isinstance(t, torch.Tensor) else t, current)
+                yield _slice_rows(current, rank * per, (rank + 1) * per)
             index += 1
             current = nxt
 
@@ -595,6 +594,11 @@ def _concatenate(batches: list[Any]) -> Any:
             raise RuntimeError(f"dispatch_batches=True joins the batches of one round, and these differ in shape "
                                f"({e}); use dispatch_batches=False or split_batches=True") from e
     return tree_map(cat, batches[0], *batches[1:]) if len(batches) > 1 else batches[0]
+
+
+def _slice_rows(batch: Any, lo: int, hi: int) -> Any:
+    """Rows ``lo:hi`` of every tensor in ``batch`` (other leaves as they are)."""
+    return tree_map(lambda t: t[lo:hi] if isinstance(t, torch.Tensor) else t, batch)
 
 
 def _rows(batch: Any) -> int:
