@@ -248,8 +248,7 @@ class Accelerator:
         ao = handlers.get("AORecipeKwargs")
         if ao is not None and policy.float8_linears:
             precision_config = self.precision_config = dataclasses.replace(precision_config, **_fp8_fields(ao))
-        self.precision: PrecisionPlugin = make_plugin(policy, device, precision_config)
-        self.precision.sharded = self.fsdp_plugin is not None
+        self.precision: PrecisionPlugin = self._make_precision(policy, device, precision_config)
         #: Who this process is (Accelerate's ``accelerator.state``; this Accelerator's own, not global).
         self.state = AcceleratorState(self.processes, mixed_precision=_ACCELERATE_NAMES[policy.name])
         self.state.is_fsdp2 = self.fsdp_plugin is not None
@@ -486,6 +485,12 @@ class Accelerator:
         the list leaves its weights to the hook. Returns a handle whose ``remove()`` unregisters it."""
         return self.checkpointer.hooks.add_load(hook)
 
+    def _make_precision(self, precision: Any, device: torch.device, config: PrecisionConfig) -> PrecisionPlugin:
+        """The plugin for ``precision``, told whether ``prepare`` shards the models (fp8's all-gather)."""
+        plugin = make_plugin(precision, device, config)
+        plugin.sharded = self.fsdp_plugin is not None
+        return plugin
+
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
                    extra_files: dict[str, str | bytes] | None = None, async_save: bool = False,
                    finish: Callable[[Path, dict[str, list[str]]], None] | None = None,
@@ -712,8 +717,7 @@ class Accelerator:
         optimizer reads at its next call."""
         self.precision.release()
         # The loss scaler stays behind: the precisions a run falls back to need none.
-        self.precision = make_plugin(name, self.device, self.precision_config.replace(loss_scaler=None))
-        self.precision.sharded = self.fsdp_plugin is not None
+        self.precision = self._make_precision(name, self.device, self.precision_config.replace(loss_scaler=None))
         self.state.mixed_precision = _ACCELERATE_NAMES[self.precision.policy.name]
         for o in self.prepared.optimizers:
             self.precision.track_optimizer(o.optimizer)
