@@ -202,17 +202,13 @@ def _save_weights(folder: Path, model: Any, written: list[str], save_safetensors
 
 def write_trainer_checkpoint(accelerator: Any, final: Path, model: Any, extra_files: dict[str, str | bytes], *,
                              save_safetensors: bool = True, processing_class: Any = None,
-                             states: dict[str, Any] | None = None, model_only: bool = False) -> Path:
+                             model_only: bool = False) -> Path:
     """Write ``final`` (``output_dir/checkpoint-N``) atomically, in one commit: the Accelerator's
     state, ``extra_files`` (name -> text or bytes), and Hugging Face's files (:func:`_save_weights`,
     the tokenizer or processor as transformers saves it; ``optimizer.pt`` and ``scheduler.pt``
-    are ``states`` where given, in transformers' parameter groups, else links to the
-    Accelerator's files); ``model_only``: the weights without the optimizer, schedule, scaler and
+    linked to the Accelerator's files); ``model_only``: the weights without the optimizer, schedule, scaler and
     random state (``save_only_model``). Every process calls it."""
     def hugging_face_layout(folder: Path, written: dict[str, list[str]]) -> None:
-        if written.get("optimizer"):
-            for name, state in (states or {}).items():
-                torch.save(state, folder / name)
         for role, hf_name in _HF_NAMES.items():
             if written.get(role) and not (folder / hf_name).exists():
                 _link_or_copy(folder / written[role][0], folder / hf_name)

@@ -78,7 +78,6 @@ from mixprec.trainer.transformers_checkpoints import (
     is_transformers_checkpoint,
     load_transformers_checkpoint,
     loss_total_from_history,
-    states_for_transformers,
     transformers_rng_files,
 )
 
@@ -198,7 +197,7 @@ class Trainer:
         transformers' method of that name makes its own."""
         a = self.args
         compile_options = {k: v for k, v in (("backend", a.torch_compile_backend), ("mode", a.torch_compile_mode)) if v}
-        settings = a.accelerator_settings()  # Hugging Face's accelerator_config
+        settings = a.accelerator_config  # Hugging Face's, as validate() filled it in
         loaders = {k: settings[k] for k in ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler",
                                             "non_blocking")}
         self.accelerator = Accelerator(
@@ -210,7 +209,7 @@ class Trainer:
             dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, data_seed=a.data_seed, **loaders),
             fsdp_plugin=a.fsdp_plugin,  # FSDP2 under torchrun when TrainingArguments(fsdp="full_shard")
             diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps,
-                                          trace_overflow=a.trace_overflow or "underflow_overflow" in a.debug_options(),
+                                          trace_overflow=a.trace_overflow or "underflow_overflow" in a.debug,
                                           drift_every=a.drift_steps))
 
     def _setup_model(self, model: torch.nn.Module) -> None:
@@ -551,10 +550,10 @@ class Trainer:
         if restarted > 0 and resume == "auto" and not candidates:
             log.warning("mixprec: restart %d of this run (torchrun); no checkpoint yet: starting over", restarted)
         train_dl = self._loop_loader(self.get_train_dataloader(), checkpoint=True)
-        num_epochs, per_epoch, *_, max_steps = self.set_initial_training_values(args, train_dl)
+        num_epochs, update_steps, examples, *_, max_steps = self.set_initial_training_values(args, train_dl)
         self._batches_per_epoch = _length(train_dl)
-        if self._batches_per_epoch is None:  # an IterableDataset without __len__: no epochs to count
-            per_epoch = None
+        # (an IterableDataset without __len__: no epochs to count)
+        per_epoch = update_steps if self._batches_per_epoch is not None else None
         if getattr(self, "_created_lr_scheduler", False):  # a second train() schedules its own steps
             self.lr_scheduler, self._created_lr_scheduler = None, False
         self.create_optimizer_and_scheduler(max_steps)
@@ -605,7 +604,7 @@ class Trainer:
         self._tokens_since_log: Any = 0  # input tokens counted on the device since the last log
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # listed once, not per step
         start_time = time.time()
-        self._log_training_summary(train_dl, resume_path)
+        self._log_training_summary(train_dl, resume_path, examples, update_steps)
         self.callback_handler.train_dataloader = train_dl
         self._event("on_train_begin")
         if args.eval_on_start:
@@ -628,10 +627,10 @@ class Trainer:
                              "accelerator.skip_first_batches, or by restoring its own state): mixprec's loop keeps "
                              "that one loader, whose position its checkpoints save")
 
-    def _log_training_summary(self, train_dl: Any, resume_path: Path | None) -> None:
-        """transformers' "***** Running training *****" lines (at INFO: ``log_level="info"``)."""
+    def _log_training_summary(self, train_dl: Any, resume_path: Path | None, examples: int, per_epoch: int) -> None:
+        """transformers' "***** Running training *****" lines (at INFO: ``log_level="info"``), with
+        :meth:`set_initial_training_values`' number of examples and of update steps per epoch."""
         a, s = self.args, self.state
-        _, per_epoch, examples, *_ = self.set_initial_training_values(a, train_dl)
         lines = ["***** Running training *****", f"  Num examples = {examples:,}",
                  f"  Num Epochs = {s.num_train_epochs:,}", f"  Num update steps per epoch = {per_epoch:,}"]
         lines += [f"  Instantaneous batch size per device = {a.per_device_train_batch_size:,}"]
@@ -943,11 +942,9 @@ class Trainer:
         only_model = self.args.save_only_model
         if not only_model:
             files.update(transformers_rng_files(self.accelerator.process_index, self.accelerator.num_processes))
-        inner = self.accelerator.unwrap_model(self.model)
-        write_trainer_checkpoint(self.accelerator, path, inner, files, save_safetensors=self.args.save_safetensors,
-                                 processing_class=self.processing_class, model_only=only_model,
-                                 states=states_for_transformers(self.optimizer, self.lr_scheduler, inner)
-                                 if self.accelerator.is_main_process and not only_model else None)
+        write_trainer_checkpoint(self.accelerator, path, self.accelerator.unwrap_model(self.model), files,
+                                 save_safetensors=self.args.save_safetensors, processing_class=self.processing_class,
+                                 model_only=only_model)
         if self.accelerator.is_main_process:
             rotate_checkpoints_of(out, self.args.save_total_limit, self.state.best_model_checkpoint)
         self._event("on_save")
@@ -1060,13 +1057,7 @@ class Trainer:
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         """Predictions, labels, metrics and the number of samples of ``dataloader``, as
         ``evaluate`` and ``predict`` compute them (without logging or callbacks' ``on_evaluate``)."""
-        if prediction_loss_only is not None and prediction_loss_only != self.args.prediction_loss_only:
-            saved, self.args.prediction_loss_only = self.args.prediction_loss_only, prediction_loss_only
-            try:
-                return self.evaluation_loop(dataloader, description, None, ignore_keys, metric_key_prefix)
-            finally:
-                self.args.prediction_loss_only = saved
-        return self._run_evaluation(dataloader, ignore_keys, metric_key_prefix)
+        return self._run_evaluation(dataloader, ignore_keys, metric_key_prefix, prediction_loss_only)
 
     def create_model_card(self, language: str | None = None, license: str | None = None,
                           tags: str | list[str] | None = None, model_name: str | None = None,
@@ -1164,13 +1155,16 @@ class Trainer:
         self._memory_tracker.stop("test", out.metrics)
         return PredictionOutput(out.predictions, out.label_ids, out.metrics)
 
-    def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str) -> EvalLoopOutput:
+    def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str,
+                        prediction_loss_only: bool | None = None) -> EvalLoopOutput:
         dl = self._loop_loader(dl, checkpoint=False)
         self.callback_handler.eval_dataloader = dl
         a = self.args
         return evaluation_loop(self, dl, ignore_keys, prefix,
                                on_step=lambda: self._event("on_prediction_step"),
-                               prediction_loss_only=a.prediction_loss_only, batch_metrics=a.batch_eval_metrics,
+                               prediction_loss_only=(a.prediction_loss_only if prediction_loss_only is None
+                                                     else prediction_loss_only),
+                               batch_metrics=a.batch_eval_metrics,
                                concat_batches=a.eval_do_concat_batches, gather_objects=a.eval_use_gather_object,
                                include=tuple(a.include_for_metrics))
 

@@ -9,14 +9,14 @@ run skips the batches of the current epoch already trained on, as transformers d
 manifest nothing can be verified: the resume says so in a log line.
 
 Written: what transformers' Trainer reads beside mixprec's own files (:func:`transformers_rng_files`:
-``rng_state.pth``, one per process under torchrun; :func:`states_for_transformers`: the optimizer's
-and the schedule's state in transformers' two parameter groups where mixprec's differ); the rest
-(weights, trainer state) are in :mod:`mixprec.trainer.checkpoints`.
+``rng_state.pth``, one per process under torchrun); the rest (weights, ``optimizer.pt`` and
+``scheduler.pt``, trainer state) are in :mod:`mixprec.trainer.checkpoints`.
 
-The optimizer's parameter groups: transformers always makes two (weight decay, and none on biases
-and norms); mixprec makes one where ``weight_decay`` is 0 (one fused kernel launch per step). An
-optimizer state moves between the two layouts by parameter name (:func:`regroup_optimizer_state`),
-and the schedule's per-group lists with it (:func:`regroup_scheduler_state`).
+The optimizer's parameter groups: both Trainers make the same two (weight decay, and none on
+biases and norms), so ``optimizer.pt`` is one file for both. An optimizer of another layout (one
+group, passed through ``optimizers=``) takes transformers' two-group state by parameter name
+(:func:`regroup_optimizer_state`), and the schedule's per-group lists with it
+(:func:`regroup_scheduler_state`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ from mixprec.trainer.callbacks import log
 from mixprec.trainer.schedules import decay_parameter_names
 
 __all__ = ["is_transformers_checkpoint", "load_transformers_checkpoint", "loss_total_from_history",
-           "regroup_optimizer_state", "regroup_scheduler_state", "report_weights_load", "states_for_transformers",
-           "transformers_rng_files"]
+           "regroup_optimizer_state", "regroup_scheduler_state", "report_weights_load", "transformers_rng_files"]
 
 
 def is_transformers_checkpoint(path: Path) -> bool:
@@ -178,15 +177,3 @@ def regroup_scheduler_state(state: dict[str, Any], source: list[list[str]], targ
     group_of = {n: i for i, group in enumerate(source) for n in group}
     pick = [group_of[names[0]] if names else 0 for names in target]
     return {k: [v[i] for i in pick] if isinstance(v, list) and len(v) == len(source) else v for k, v in state.items()}
-
-
-def states_for_transformers(optimizer: Any, lr_scheduler: Any, model: torch.nn.Module) -> dict[str, Any]:
-    """``{"optimizer.pt": ..., "scheduler.pt": ...}``: the optimizer's and the schedule's state in
-    transformers' two parameter groups, where mixprec's groups differ (one group where
-    ``weight_decay`` is 0); ``{}`` where they are the same (the files are then the Accelerator's)
-    or where the optimizer's parameters are not transformers' groups' (a custom optimizer)."""
-    ours, theirs = _group_names(optimizer, model), _transformers_groups(model)
-    if [len(g) for g in ours] == [len(g) for g in theirs] or sorted(sum(ours, [])) != sorted(sum(theirs, [])):
-        return {}
-    return {"optimizer.pt": regroup_optimizer_state(optimizer.state_dict(), ours, theirs),
-            "scheduler.pt": regroup_scheduler_state(lr_scheduler.state_dict(), ours, theirs)}
