@@ -232,29 +232,29 @@ def numbered_checkpoints(root: str | os.PathLike, stem: str, *, complete: bool =
 
 
 def rotate_checkpoints(root: str | os.PathLike, stem: str, limit: int | None, keep: tuple[Path, ...] = ()) -> None:
-    """Keep ``limit`` complete ``<stem><n>`` folders of ``root``, the newest, counting the one in
-    ``keep`` (the best) among them, as Hugging Face's Trainer counts it: the best is kept as if it
-    were the second newest (so ``limit`` >= 2 keeps the newest, the best and the next newest; 1
-    keeps the best and the newest). Delete the others and the staging folders that crashed saves
-    left. Call it after a save completed, so the newest complete checkpoint is never deleted."""
+    """Keep at most ``limit`` complete ``<stem><n>`` folders of ``root``, as Hugging Face's Trainer
+    keeps them: the newest and the one in ``keep`` (the best) are never deleted, and the oldest
+    of the others go until ``limit`` remain (so a limit of 1 with an older best keeps two). While
+    fewer than ``limit`` exist, none is deleted. Staging folders that crashed saves left are
+    removed. Call it after a save completed, so the newest complete checkpoint is never deleted
+    (a ``limit`` below 1 keeps that one alone)."""
     root = Path(root)
     for stale in root.glob(f".{stem}*.tmp-*") if root.is_dir() else ():
         shutil.rmtree(stale, ignore_errors=True)
     if limit is None:
         return
     order = numbered_checkpoints(root, stem)
-    done = list(order)
-    best = [Path(k) for k in keep if Path(k) in order]
-    for b in best:
-        i = order.index(b)
-        order.insert(max(i, len(order) - 2), order.pop(i))
-    if best and limit == 1 and order and order[-1] not in best:
-        limit = 2  # the best and the newest: a run can still resume from its last checkpoint
-    kept = set(order[len(order) - limit:] if limit else []) | set(best)
-    for old in done:
-        if old not in kept:
+    if not order:
+        return
+    protected = {order[-1]} | {Path(k) for k in keep if Path(k) in order}
+    remaining = len(order)
+    for old in order:
+        if remaining <= max(limit, len(protected)):
+            break
+        if old not in protected:
             log.info("mixprec: deleting %s (a limit of %d checkpoints)", old, limit)
             shutil.rmtree(old, ignore_errors=True)
+            remaining -= 1
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -435,8 +435,11 @@ class TrainingArguments:
 
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             positive_int(name)
-        for name in ("eval_accumulation_steps", "save_total_limit", "dataloader_prefetch_factor"):
+        for name in ("eval_accumulation_steps", "dataloader_prefetch_factor"):
             positive_int(name, allow_none=True)
+        limit = self.save_total_limit  # 0 or less keeps every checkpoint, as in transformers
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
+            raise ValueError(f"save_total_limit must be an int or None, got {limit!r}")
         for name in ("logging_steps", "save_steps", "eval_steps"):
             self._check_steps(name)
         if not isinstance(self.max_steps, int) or self.max_steps == 0 or self.max_steps < -1:

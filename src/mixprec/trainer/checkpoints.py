@@ -54,7 +54,9 @@ def list_checkpoints(out: Path) -> list[Path]:
 
 def rotate_checkpoints_of(out: Path, limit: int | None, best: str | None) -> None:
     """Keep ``limit`` checkpoints, the best counted among them as Hugging Face counts it (see
-    :func:`~mixprec.checkpoint.folder.rotate_checkpoints`); remove staging folders of crashed saves."""
+    :func:`~mixprec.checkpoint.folder.rotate_checkpoints`); remove staging folders of crashed saves.
+    A ``limit`` of 0 or less keeps every checkpoint, as transformers' ``save_total_limit`` does."""
+    limit = limit if limit is not None and limit > 0 else None
     rotate_checkpoints(out, STEM, limit, keep=(Path(best),) if best is not None else ())
 
 
