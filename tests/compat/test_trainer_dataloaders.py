@@ -166,21 +166,38 @@ def test_a_shuffled_run_sees_transformers_batch_order_every_epoch(data_seed, tmp
     assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(our_losses, their_losses))
 
 
-def test_log_level_info_prints_transformers_training_summary(tmp_path, caplog):
+def test_log_level_sets_transformers_verbosity_and_the_info_lines_go_through_its_logger(tmp_path):
+    """As transformers' own tests read them: a handler on the ``transformers`` logger sees the
+    training summary, the evaluation header and the checkpoint line at ``log_level="info"``, and
+    none of them at ``log_level="warning"``."""
     import logging
 
-    for lib, logger in ((transformers, "transformers.trainer"), (mixprec, "mixprec")):
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger=logger):
-            _trainer(lib, tmp_path, log_level="info", max_steps=3).train()
-        lines = [r.getMessage() for r in caplog.records if r.name.startswith(logger)]
-        start = lines.index("***** Running training *****")
-        summary = lines[start:start + 9]
-        assert "  Total optimization steps = 3" in summary and "  Num examples = 40" in summary, (lib, summary)
-        assert "  Total train batch size (w. parallel, distributed & accumulation) = 4" in summary
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    try:
+        for lib in (transformers, mixprec):
+            with CaptureLogger(hf_logging.get_logger()) as quiet:
+                _trainer(lib, tmp_path, log_level="warning", max_steps=3).train()
+            assert "Running training" not in quiet.out, lib
+            with CaptureLogger(hf_logging.get_logger()) as cl:
+                trainer = _trainer(lib, tmp_path, log_level="info", max_steps=3, save_strategy="steps", save_steps=3)
+                trainer.train()
+                trainer.evaluate()
+            assert hf_logging.get_verbosity() == logging.INFO, lib
+            lines = cl.out.splitlines()
+            start = lines.index("***** Running training *****")
+            summary = lines[start:start + 9]
+            assert "  Total optimization steps = 3" in summary and "  Num examples = 40" in summary, (lib, summary)
+            assert "  Total train batch size (w. parallel, distributed & accumulation) = 4" in summary
+            assert "***** Running Evaluation *****" in lines and "  Batch size = 8" in lines, (lib, lines)
+            assert any(line.startswith("Saving model checkpoint to") for line in lines), (lib, lines)
+    finally:
+        hf_logging.set_verbosity(before)
+        logging.getLogger("mixprec").setLevel(logging.NOTSET)
     with pytest.raises(ValueError, match="log_level_replica='loud' is not valid"):
         mixprec.TrainingArguments(output_dir="o", log_level_replica="loud")
-    logging.getLogger("mixprec").setLevel(logging.NOTSET)
 
 
 @pytest.mark.parametrize("greater", [False, True])

@@ -216,7 +216,8 @@ class Preparer:
         precision = self.current_precision()
         converted = precision.convert_optimizer(optimizer)
         precision.track_optimizer(converted)
-        wrapped = AcceleratedOptimizer(converted, self.optimizer_hooks, original=optimizer)
+        wrapped = AcceleratedOptimizer(converted, self.optimizer_hooks, original=optimizer, accelerator_state=self.state,
+                                       gradient_state=self.gradient_state, device_placement=self.device_placement)
         self.prepared.optimizers.append(wrapped)
         return self._mark_prepared(wrapped)
 
@@ -228,7 +229,8 @@ class Preparer:
         mine = [o for o in optimizers if scheduler.optimizer in (o.optimizer, o.original_optimizer)]
         per_call = steps_per_call or (1 if self.dataloader_config.split_batches else self.state.num_processes)
         wrapped = AcceleratedScheduler(scheduler, mine or optimizers, self.gradient_state,
-                                       step_with_optimizer=self.step_scheduler_with_optimizer, steps_per_call=per_call)
+                                       step_with_optimizer=self.step_scheduler_with_optimizer, steps_per_call=per_call,
+                                       split_batches=self.dataloader_config.split_batches)
         self.prepared.schedulers.append(wrapped)
         return self._mark_prepared(wrapped)
 

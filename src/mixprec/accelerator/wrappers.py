@@ -107,23 +107,50 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     steps that don't sync.
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own, so schedulers
-    built on the original optimizer keep working.
+    built on the original optimizer keep working. It answers ``isinstance`` for the wrapped
+    optimizer's class too (``isinstance(opt, torch.optim.AdamW)``), as well as for this one.
+
+    Args:
+        optimizer: the optimizer stepped (the precision plugin's conversion of ``original``).
+        hooks: how ``step`` and ``zero_grad`` reach the owner.
+        original: what the user passed (default: ``optimizer``).
+        accelerator_state, gradient_state: the owner's (Accelerate's attributes of these names).
+        device_placement: whether the owner placed the optimizer's state on its device.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, hooks: OptimizerHooks,
-                 original: torch.optim.Optimizer | None = None) -> None:
+                 original: torch.optim.Optimizer | None = None, *, accelerator_state: Any = None,
+                 gradient_state: Any = None, device_placement: bool = True) -> None:
         # Deliberately no super().__init__: this object is a view of ``optimizer``.
         self.optimizer = optimizer
         self.original_optimizer = original if original is not None else optimizer  # what the user passed
         self.hooks = hooks
+        self.accelerator_state, self.gradient_state = accelerator_state, gradient_state
+        self.device_placement = device_placement
         self._skipped: bool | None = None  # known on the host (a collapse), else asked of the plugin
 
     def __getattr__(self, name: str) -> Any:
         """Every attribute and method this wrapper does not define is the wrapped optimizer's
-        (schedule-free optimizers' ``train()`` / ``eval()``, custom attributes), as in Accelerate."""
+        (custom attributes), as in Accelerate."""
         if name.startswith("__") or name in ("optimizer", "original_optimizer", "hooks"):
             raise AttributeError(name)  # not set yet (unpickling, copying): no recursion
         return getattr(self.optimizer, name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """The wrapped optimizer's class, so that ``isinstance(prepared, type(user_optimizer))``
+        holds; ``type(prepared)`` is still this wrapper's."""
+        return _class_of(self, "optimizer")
+
+    def train(self) -> None:
+        """Put the optimizer in training mode, where it has one (schedule-free optimizers)."""
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+
+    def eval(self) -> None:
+        """Put the optimizer in evaluation mode, where it has one (schedule-free optimizers)."""
+        if callable(getattr(self.optimizer, "eval", None)):
+            self.optimizer.eval()
 
     @property
     def scaler(self) -> Any:
@@ -208,8 +235,17 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return f"AcceleratedOptimizer({self.optimizer!r})"
 
 
+def _class_of(wrapper: Any, attribute: str) -> type:
+    """What a wrapper's ``__class__`` answers: the class of the object it wraps, once set (before
+    that, while it is made, copied or unpickled, its own)."""
+    inner = wrapper.__dict__.get(attribute)
+    return type(wrapper) if inner is None else inner.__class__
+
+
 class AcceleratedScheduler:
-    """The user's LR scheduler, stepped only when the optimizer step was applied.
+    """The user's LR scheduler, stepped only when the optimizer step was applied. It answers
+    ``isinstance`` for the wrapped scheduler's class (``isinstance(s, ReduceLROnPlateau)``), and
+    every name the wrapped scheduler has (``base_lrs``, ``last_epoch``, ``get_lr``) is its.
 
     Args:
         scheduler: the user's scheduler.
@@ -218,15 +254,17 @@ class AcceleratedScheduler:
         step_with_optimizer: ``False`` steps the schedule at every call, whatever the optimizers did.
         steps_per_call: schedule steps per applied optimizer step (Accelerate's: the number of
             processes, so a schedule written for one process's count of batches ends on time).
+        split_batches: the owner's ``split_batches`` (Accelerate's attribute of this name).
     """
 
     def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], gradient_state: Any, *,
-                 step_with_optimizer: bool = True, steps_per_call: int = 1) -> None:
+                 step_with_optimizer: bool = True, steps_per_call: int = 1, split_batches: bool = False) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.gradient_state = gradient_state
         self.step_with_optimizer = step_with_optimizer
         self.steps_per_call = steps_per_call
+        self.split_batches = split_batches
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance the schedule, unless this is a non-sync accumulation step or the step was skipped."""
@@ -256,9 +294,19 @@ class AcceleratedScheduler:
 
     def __getattr__(self, name: str) -> Any:
         # Attributes the wrapper does not define (last_epoch, base_lrs, ...) are the scheduler's.
-        if name in ("scheduler", "optimizers", "gradient_state", "step_with_optimizer", "steps_per_call"):
+        if name.startswith("__") or name in ("scheduler", "optimizers", "gradient_state", "step_with_optimizer",
+                                             "steps_per_call", "split_batches"):
             raise AttributeError(name)
         return getattr(self.scheduler, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(self.scheduler)))
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """The wrapped scheduler's class, so that ``isinstance(prepared, LambdaLR)`` holds as it
+        does for the scheduler the user made; ``type(prepared)`` is still this wrapper's."""
+        return _class_of(self, "scheduler")
 
 
 class PreparedDDP(DistributedDataParallel):

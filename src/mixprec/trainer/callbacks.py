@@ -242,16 +242,21 @@ class EarlyStoppingCallback(TrainerCallback, ExportableState):
         key = name if name.startswith("eval_") else f"eval_{name}"
         if not metrics or key not in metrics:
             return
-        value = metrics[key]
+        self.check_metric_value(args, state, control, metrics[key])
+        if self.early_stopping_patience_counter >= self.early_stopping_patience:
+            control.should_training_stop = True
+
+    def check_metric_value(self, args, state, control, metric_value: float) -> None:
+        """Count an evaluation without improvement on the best metric so far (by more than the
+        threshold), or reset the count: transformers' method, which subclasses override."""
         better = (lambda a, b: a > b) if args.greater_is_better else (lambda a, b: a < b)
         if state.best_metric is None or (
-            better(value, state.best_metric) and abs(value - state.best_metric) > self.early_stopping_threshold
+            better(metric_value, state.best_metric)
+            and abs(metric_value - state.best_metric) > self.early_stopping_threshold
         ):
             self.early_stopping_patience_counter = 0
         else:
             self.early_stopping_patience_counter += 1
-        if self.early_stopping_patience_counter >= self.early_stopping_patience:
-            control.should_training_stop = True
 
     def state(self) -> dict[str, Any]:
         """Patience and threshold (rebuilt on resume) and the evaluations without improvement so far."""

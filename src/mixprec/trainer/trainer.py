@@ -8,8 +8,9 @@ file is the loop, evaluation, and the bookkeeping around them.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import itertools
-import logging
 import math
 import os
 import sys
@@ -59,6 +60,7 @@ from mixprec.trainer.evaluation import (
     predict_batch,
 )
 from mixprec.trainer.export import args_bin, save_model_files, write_model_card
+from mixprec.trainer.logs import set_verbosity, trainer_logger
 from mixprec.trainer.memory import MemoryTracker
 from mixprec.trainer.nonfinite import SkipRecorder, find_nonfinite_inputs
 from mixprec.trainer.reporters import (
@@ -168,11 +170,12 @@ class Trainer:
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.model_accepts_loss_kwargs = False  # the loss is the model's mean: no num_items_in_batch is passed
+        self._set_transformers_attributes()
         #: transformers' ``LabelSmoother`` for ``label_smoothing_factor`` (``None`` without smoothing).
         self.label_smoother = _label_smoother(self.args.label_smoothing_factor)
         self._train_batch_size = self.args.train_batch_size  # (auto_find_batch_size lowers it)
         if (self.args.log_level if self.args.should_log else self.args.log_level_replica) != "passive":
-            logging.getLogger("mixprec").setLevel(self.args.get_process_log_level())  # as transformers sets its own
+            set_verbosity(self.args.get_process_log_level())  # mixprec's logger and transformers', as it does
         names, _ = model_input_names(self.model)
         self.label_names = self.args.label_names or ([n for n in names if "label" in n] or ["labels"])
         # Hugging Face's order: the flow, the reporters, the user's, then the progress display.
@@ -190,6 +193,25 @@ class Trainer:
         self.control = TrainerControl()
         self._event("on_init_end")
         self._memory_tracker.stop("init")
+
+    def _set_transformers_attributes(self) -> None:
+        """transformers' Trainer attributes, with the values they hold on the runs mixprec makes
+        (no DeepSpeed, XLA, model parallelism or hyperparameter search: those are off or ``None``)."""
+        a, inner = self.args, self.accelerator.unwrap_model(self.model)
+        self.is_in_train = False  # True inside train()
+        self.hp_name = self.hp_search_backend = self.hub_model_id = self.deepspeed = None
+        self.neftune_noise_alpha = a.neftune_noise_alpha
+        self.is_deepspeed_enabled = False
+        self.is_fsdp_enabled = self.accelerator.fsdp_plugin is not None
+        self.is_fsdp_xla_enabled = self.is_fsdp_xla_v1_enabled = self.is_fsdp_xla_v2_enabled = False
+        self.is_model_parallel = bool(getattr(inner, "is_parallelizable", False) and getattr(inner, "model_parallel", False))
+        self.is_distributed_loading_by_transformers = getattr(inner, "is_distributed_loading_by_transformers", False)
+        self.place_model_on_device = True  # prepare() moves the model (FSDP2 shards it in place)
+        forward = inspect.signature(type(inner).forward).parameters
+        self.can_return_loss = "return_loss" in forward and forward["return_loss"].default is True
+        self.current_gradient_accumulation_steps = a.gradient_accumulation_steps
+        self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
+                                                 use_gather_object=a.eval_use_gather_object)
 
     def create_accelerator_and_postprocess(self) -> None:
         """``self.accelerator``: a fresh :class:`~mixprec.Accelerator` from ``args`` (the precision,
@@ -446,7 +468,8 @@ class Trainer:
         self._ignore_keys_for_eval = ignore_keys_for_eval
         self.args.validate()
         self._memory_tracker.start("train")
-        neftune = _activate_neftune(self.model, self.args.neftune_noise_alpha, self.accelerator)
+        neftune = _activate_neftune(self.model, self.neftune_noise_alpha, self.accelerator)
+        self.is_in_train = True
         try:
             with self._output_dir_lock():
                 if self.args.auto_find_batch_size:
@@ -456,6 +479,7 @@ class Trainer:
                     result = self._train(resume_from_checkpoint)
         finally:
             self._memory_tracker.stop("train")  # (measured into the metrics already, unless it failed)
+            self.is_in_train = False
             if neftune is not None:  # the noise is for training only
                 neftune.remove()
         if self._preempted_at is not None:
@@ -644,8 +668,9 @@ class Trainer:
         if resume_path is not None:
             lines.append(f"  Continuing training from checkpoint {resume_path}, at epoch {train_dl.epoch} and "
                          f"global step {s.global_step}")
+        hf_log = trainer_logger()
         for line in lines:
-            log.info(line)
+            hf_log.info(line)
 
     def _continue_transformers_run(self, train_dl: Any, per_epoch: int | None) -> None:
         """After a resume from a checkpoint transformers' Trainer wrote (``self.state`` is its
@@ -945,6 +970,7 @@ class Trainer:
         write_trainer_checkpoint(self.accelerator, path, self.accelerator.unwrap_model(self.model), files,
                                  save_safetensors=self.args.save_safetensors, processing_class=self.processing_class,
                                  model_only=only_model)
+        trainer_logger().info(f"Saving model checkpoint to {path}")
         if self.accelerator.is_main_process:
             rotate_checkpoints_of(out, self.args.save_total_limit, self.state.best_model_checkpoint)
         self._event("on_save")
@@ -957,6 +983,7 @@ class Trainer:
             s.total_loss += self.accelerator.reduce(self._loss_since_log, "mean").item()
         runtime = time.time() - start_time
         if self.args.load_best_model_at_end and s.best_model_checkpoint is not None:
+            trainer_logger().info(f"Loading best model from {s.best_model_checkpoint} (score: {s.best_metric}).")
             load_checkpoint_weights(self.accelerator.unwrap_model(self.model), Path(s.best_model_checkpoint),
                                     self.accelerator.device)
         metrics = {"train_runtime": round(runtime, 4),
@@ -999,7 +1026,8 @@ class Trainer:
                 metrics.update(self.evaluate(part if override else name, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         self._memory_tracker.start("eval")
-        out = self._run_evaluation(self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix)
+        out = self._run_evaluation(self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix,
+                                   description="Evaluation")
         self.log(out.metrics)
         self._event("on_evaluate", metrics=out.metrics)
         self._memory_tracker.stop("eval", out.metrics)  # returned, not logged (as transformers)
@@ -1057,7 +1085,8 @@ class Trainer:
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         """Predictions, labels, metrics and the number of samples of ``dataloader``, as
         ``evaluate`` and ``predict`` compute them (without logging or callbacks' ``on_evaluate``)."""
-        return self._run_evaluation(dataloader, ignore_keys, metric_key_prefix, prediction_loss_only)
+        return self._run_evaluation(dataloader, ignore_keys, metric_key_prefix, prediction_loss_only,
+                                    description=description)
 
     def create_model_card(self, language: str | None = None, license: str | None = None,
                           tags: str | list[str] | None = None, model_name: str | None = None,
@@ -1150,13 +1179,18 @@ class Trainer:
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (numpy), labels (where present) and metrics on ``test_dataset``."""
         self._memory_tracker.start("test")
-        out = self._run_evaluation(self.get_test_dataloader(test_dataset), ignore_keys, metric_key_prefix)
+        out = self._run_evaluation(self.get_test_dataloader(test_dataset), ignore_keys, metric_key_prefix,
+                                   description="Prediction")
         self._event("on_predict", metrics=out.metrics)
         self._memory_tracker.stop("test", out.metrics)
         return PredictionOutput(out.predictions, out.label_ids, out.metrics)
 
     def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str,
-                        prediction_loss_only: bool | None = None) -> EvalLoopOutput:
+                        prediction_loss_only: bool | None = None, description: str = "Evaluation") -> EvalLoopOutput:
+        hf_log = trainer_logger()  # transformers' header lines, at INFO
+        hf_log.info(f"\n***** Running {description} *****")
+        hf_log.info(f"  Num examples = {self.num_examples(dl)}" if _length(dl) is not None else "  Num examples: Unknown")
+        hf_log.info(f"  Batch size = {getattr(dl, 'batch_size', None) or self.args.eval_batch_size}")
         dl = self._loop_loader(dl, checkpoint=False)
         self.callback_handler.eval_dataloader = dl
         a = self.args

@@ -69,6 +69,15 @@ class TrainerState:
             if n is not None:
                 setattr(self, f"{kind}_steps", math.ceil(max_steps * n) if n < 1 else n)
 
+    def init_training_references(self, trainer: Any, max_steps: int, num_train_epochs: int, trial: Any) -> None:
+        """Record the run's length and the trainer's process roles, as transformers' method of this
+        name does at the start of ``train()`` (``trial_params``: the hyperparameter trial's, if any)."""
+        self.trial_params = dict(getattr(trial, "params", None) or {}) or None if trial is not None else None
+        self.max_steps = max_steps
+        self.num_train_epochs = num_train_epochs
+        self.is_local_process_zero = trainer.is_local_process_zero()
+        self.is_world_process_zero = trainer.is_world_process_zero()
+
     def to_json_string(self) -> str:
         """Hugging Face's fields as JSON (what ``trainer_state.json`` holds)."""
         data = {k: v for k, v in dataclasses.asdict(self).items() if k not in MIXPREC_STATE_FIELDS}
