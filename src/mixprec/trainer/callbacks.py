@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import Any
 
+from mixprec.trainer.logs import trainer_logger
 from mixprec.trainer.trainer_state import ExportableState, TrainerControl, TrainerState
 
 __all__ = [
@@ -81,7 +82,7 @@ class CallbackHandler:
         if not isinstance(cb, TrainerCallback) and not any(callable(getattr(cb, e, None)) for e in EVENTS):
             raise TypeError(f"{type(cb).__name__} is not a TrainerCallback; subclass mixprec.TrainerCallback")
         if type(cb) in [type(c) for c in self.callbacks]:
-            log.warning(f"You are adding a {type(cb).__name__} to the callbacks of this Trainer, but there is already "
+            trainer_logger("trainer_callback").warning(f"You are adding a {type(cb).__name__} to the callbacks of this Trainer, but there is already "
                         f"one. The current list of callbacks is:\n{self.callback_list}")
         self.callbacks.append(cb)
 
@@ -140,8 +141,8 @@ def restore_states(callbacks: list[Any], control: TrainerControl, saved: dict[st
             else:
                 callbacks[next(i for i, c in enumerate(callbacks) if c is cb)] = new
     if not_found:
-        log.warning(f"Checkpoint included callbacks not included in current configuration. Ignoring. "
-                    f"({', '.join(not_found)})")
+        trainer_logger().warning(f"Checkpoint included callbacks not included in current configuration. Ignoring. "
+                             f"({', '.join(not_found)})")
     return control
 
 

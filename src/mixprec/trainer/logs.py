@@ -25,11 +25,12 @@ def _transformers_logging() -> Any:
     return hf_logging
 
 
-def trainer_logger() -> logging.Logger:
-    """The logger of the Trainer's info lines: ``transformers.trainer`` (set up by transformers'
-    logging module) where transformers is installed, else ``mixprec.trainer``."""
+def trainer_logger(module: str = "trainer") -> logging.Logger:
+    """The logger of the lines transformers' ``module`` writes (``"trainer"``; ``"trainer_callback"``
+    for the callback handler's): ``transformers.<module>``, set up by transformers' logging module,
+    where transformers is installed, else ``mixprec.trainer``."""
     hf_logging = _transformers_logging()
-    return hf_logging.get_logger("transformers.trainer") if hf_logging else logging.getLogger("mixprec.trainer")
+    return hf_logging.get_logger(f"transformers.{module}") if hf_logging else logging.getLogger("mixprec.trainer")
 
 
 def get_verbosity() -> int:
