@@ -142,7 +142,7 @@ def restore_states(callbacks: list[Any], control: TrainerControl, saved: dict[st
                 callbacks[next(i for i, c in enumerate(callbacks) if c is cb)] = new
     if not_found:
         trainer_logger().warning(f"Checkpoint included callbacks not included in current configuration. Ignoring. "
-                             f"({', '.join(not_found)})")
+                                 f"({', '.join(not_found)})")
     return control
 
 
