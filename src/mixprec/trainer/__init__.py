@@ -10,6 +10,7 @@ from mixprec.trainer.callbacks import (
 )
 from mixprec.trainer.reporters import PrinterCallback, ProgressCallback
 from mixprec.trainer.schedules import get_scheduler
+from mixprec.trainer.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from mixprec.trainer.trainer import EvalPrediction, PredictionOutput, Trainer, TrainOutput, set_seed
 from mixprec.trainer.trainer_state import ExportableState
 
@@ -21,6 +22,8 @@ __all__ = [
     "PredictionOutput",
     "PrinterCallback",
     "ProgressCallback",
+    "Seq2SeqTrainer",
+    "Seq2SeqTrainingArguments",
     "TrainOutput",
     "Trainer",
     "TrainerCallback",
