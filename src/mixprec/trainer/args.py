@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import enum
@@ -9,7 +10,9 @@ import json
 import logging
 import math
 import os
+import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,9 +24,12 @@ from mixprec.hardware import default_device
 from mixprec.precision import PrecisionConfig, canonical_precision
 from mixprec.trainer.schedules import METRIC_DRIVEN, SCHEDULER_TYPES, optimizer_names
 
-__all__ = ["TrainingArguments"]
+__all__ = ["ParallelMode", "TrainingArguments"]
 
 _STRATEGIES = ("no", "steps", "epoch")
+_HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
+# The run's precision in Accelerate's words (transformers' ``args.mixed_precision``); others keep their name.
+_ACCELERATE_PRECISION = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16"}
 
 # mixprec's own loggers; every tracker of mixprec.tracking (wandb, mlflow, ...) is a report_to name too.
 _OWN_REPORTERS = ("none", "jsonl", "tensorboard", "all")
@@ -97,6 +103,65 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, enum.Enum) else value
 
 
+class ParallelMode(enum.Enum):
+    """How the processes of a run are arranged: transformers' ``training_args.ParallelMode`` (the
+    same values), which :attr:`TrainingArguments.parallel_mode` returns where transformers is not installed."""
+
+    NOT_PARALLEL = "not_parallel"
+    NOT_DISTRIBUTED = "not_distributed"
+    DISTRIBUTED = "distributed"
+    SAGEMAKER_MODEL_PARALLEL = "sagemaker_model_parallel"
+    SAGEMAKER_DATA_PARALLEL = "sagemaker_data_parallel"
+    TPU = "tpu"
+
+
+def _parallel_modes() -> type[enum.Enum]:
+    """transformers' ``ParallelMode`` where it is installed (so members compare equal to its own), else mixprec's."""
+    try:
+        from transformers.training_args import ParallelMode as theirs
+    except ImportError:
+        return ParallelMode
+    return theirs
+
+
+def _verbosity() -> int:
+    """The level transformers' loggers filter at now (the ``mixprec`` logger's without transformers)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return logging.getLogger("mixprec").getEffectiveLevel()
+    return hf_logging.get_verbosity()
+
+
+def _truth(value: Any) -> bool:
+    """A flag given as a bool or as text (``"true"``, ``"1"``, ``"yes"``...), read as transformers reads ``fsdp_config``."""
+    return str(value).lower() in ("y", "yes", "t", "true", "on", "1")
+
+
+def _check_strategy(name: str, strategy: Any, steps: Any, choices: tuple[str, ...]) -> str:
+    """A ``set_*`` builder's strategy as its plain value; ``"steps"`` with ``steps=0`` is refused (transformers' rule)."""
+    strategy = _plain(strategy)
+    _one_of(name, strategy, choices)
+    if strategy == "steps" and steps == 0:
+        raise ValueError("Setting `strategy` as 'steps' requires a positive value for `steps`.")
+    return strategy
+
+
+class _AcceleratorSettings(dict):
+    """``accelerator_config`` once validated: a dict of Hugging Face's ``AcceleratorConfig`` fields
+    that also reads them as attributes (``args.accelerator_config.split_batches``), as transformers' does."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"accelerator_config has no field {name!r}; fields: {sorted(self)}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (``AcceleratorConfig.to_dict``)."""
+        return dict(self)
+
+
 @dataclass
 class TrainingArguments:
     """What a :class:`~mixprec.Trainer` run does, with Hugging Face's names, defaults and meanings.
@@ -129,12 +194,23 @@ class TrainingArguments:
     every log to ``output_dir/metrics.jsonl``. The old spelling ``evaluation_strategy`` is
     accepted with a ``FutureWarning``. :meth:`replace` gives a changed copy, validated again.
 
+    transformers' other public names are here with its meanings: the grouped setters
+    (:meth:`set_training`, :meth:`set_evaluate`, ... ; :meth:`set_push_to_hub` is refused),
+    :meth:`main_process_first`, :attr:`parallel_mode`, :attr:`should_save`,
+    :meth:`get_warmup_steps`, :attr:`mixed_precision`, :attr:`distributed_state`, ... Enum
+    members (``IntervalStrategy.STEPS``) are held as their values, which compare equal to them.
+
     Example:
         >>> args = TrainingArguments("out", eval_strategy="epoch", bf16=True)
         >>> args.resolved_precision
         'bf16-mixed'
         >>> args.logging_steps = 10  # settable, as in Hugging Face
     """
+
+    # transformers' class attributes (no fields): the optim default, and whether torch is 2.8 or newer
+    # (where transformers defaults to "adamw_torch_fused"; mixprec's "adamw_torch" is fused wherever torch allows).
+    default_optim = "adamw_torch"
+    is_torch_greater_or_equal_than_2_8 = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 8)
 
     output_dir: str | None = None
     _: KW_ONLY
@@ -175,7 +251,7 @@ class TrainingArguments:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float | None = 1.0
-    optim: str = "adamw_torch"
+    optim: str = default_optim
     lr_scheduler_type: str = "linear"
     warmup_steps: float = 0
     warmup_ratio: float = 0.0
@@ -185,9 +261,11 @@ class TrainingArguments:
     bf16: bool = False
     fp16_full_eval: bool = False
     bf16_full_eval: bool = False
-    gradient_checkpointing: bool | None = False
+    # None: unset (transformers' rule: the new name wins, the old one fills it in when unset; a bare
+    # --activation_checkpointing on the command line means True)
+    gradient_checkpointing: bool | None = field(default=None, metadata={"nargs": "?", "const": True})
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
-    activation_checkpointing: bool | None = False
+    activation_checkpointing: bool | None = field(default=None, metadata={"nargs": "?", "const": True})
     activation_checkpointing_kwargs: dict[str, Any] | str | None = None
     use_cache: bool = False
     dataloader_num_workers: int = 0
@@ -288,9 +366,41 @@ class TrainingArguments:
 
         return plugin_from_training_args(self.fsdp, self.fsdp_config)
 
+    @property
+    def fsdp_plugin_args(self) -> dict[str, Any] | None:
+        """The keyword arguments of Accelerate's ``FullyShardedDataParallelPlugin`` that ``fsdp`` /
+        ``fsdp_config`` stand for, as transformers computes them (FSDP2); ``None`` without ``fsdp``.
+        mixprec shards with :attr:`fsdp_plugin`, built from the same two fields."""
+        if not self.fsdp:
+            return None
+        config = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in (self.fsdp_config or {}).items()}
+        options = [] if self.fsdp is True else self.fsdp.split() if isinstance(self.fsdp, str) else self.fsdp
+        for option in map(_plain, options):
+            if option in ("full_shard", "shard_grad_op"):
+                config.setdefault("reshard_after_forward", option == "full_shard")
+            elif option == "offload":
+                config.setdefault("cpu_offload", True)
+        policy = config.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
+        layers = config.get("transformer_layer_cls_to_wrap")
+        plugin: dict[str, Any] = {"fsdp_version": int(config.get("version", 2)),
+                                  **({"cpu_offload": True} if config.get("cpu_offload") else {}),
+                                  "auto_wrap_policy": policy}
+        if policy == "SIZE_BASED_WRAP" and config.get("min_num_params", 0) > 0:
+            plugin["min_num_params"] = config["min_num_params"]
+        elif policy == "TRANSFORMER_BASED_WRAP" and layers is not None:
+            plugin["transformer_cls_names_to_wrap"] = ",".join([layers] if isinstance(layers, str) else layers)
+        plugin["cpu_ram_efficient_loading"] = _truth(config.get("cpu_ram_efficient_loading", False))
+        plugin["state_dict_type"] = config.get("state_dict_type", "FULL_STATE_DICT")
+        if "activation_checkpointing" in config:
+            plugin["activation_checkpointing"] = _truth(config["activation_checkpointing"])
+        plugin["reshard_after_forward"] = _truth(config.get("reshard_after_forward", True))
+        return plugin
+
     def validate(self) -> None:
-        """Check every field (and fill the ones that default to others); the Trainer calls it again
-        when it starts, so values assigned after construction are checked too.
+        """Check every field (and fill the ones that default to others), by transformers' rules
+        (what its ``__post_init__`` refuses is refused, what it normalises is normalised) and
+        mixprec's; the Trainer calls it again when it starts, so values assigned after
+        construction are checked too.
 
         Raises:
             ValueError: naming the field, the bad value and the fix.
@@ -302,17 +412,23 @@ class TrainingArguments:
             value = getattr(self, name)
             if isinstance(value, str) and value.lstrip().startswith("{"):
                 setattr(self, name, _typed_values(json.loads(value)))
+        if isinstance(self.fsdp_config, (str, os.PathLike)):  # any other text is a JSON file's path, as in transformers
+            self.fsdp_config = json.loads(Path(self.fsdp_config).read_text(encoding="utf-8"))
+        self._resolve_checkpointing_aliases()
         if self.use_cpu:  # as transformers: no pinned memory without a device to copy to
             self.dataloader_pin_memory = False
+        if (self.dataloader_multiprocessing_context is None and self.dataloader_num_workers > 1
+                and torch.backends.mps.is_available()):
+            self.dataloader_multiprocessing_context = "fork"  # as transformers: MPS workers must fork
         for name in ("eval_strategy", "save_strategy", "logging_strategy", "optim", "lr_scheduler_type",
                      "hub_strategy", "train_sampling_strategy"):
             setattr(self, name, _plain(getattr(self, name)))
-        if self.disable_tqdm is None:  # Hugging Face's default: show progress (mixprec has no log-level switch)
-            self.disable_tqdm = False
+        if self.disable_tqdm is None:  # transformers' default: progress bars unless its logs are quieter than warnings
+            self.disable_tqdm = _verbosity() > logging.WARNING
+        if self.eval_delay is None:  # what transformers' set_evaluate() leaves by default: no delay
+            self.eval_delay = 0
         if self.eval_strategy != "no":  # as in Hugging Face: evaluating means do_eval
             self.do_eval = True
-        if self.report_to is None:
-            self.report_to = "none"
         for name, why in _UNSUPPORTED.items():
             if name.startswith("hub_") and not self.push_to_hub:
                 continue  # Hub settings do nothing without push_to_hub, in transformers too
@@ -324,10 +440,15 @@ class TrainingArguments:
         for name in ("eval_strategy", "logging_strategy"):
             _one_of(name, getattr(self, name), _STRATEGIES)
         _one_of("save_strategy", self.save_strategy, (*_STRATEGIES, "best"))
-        if self.save_strategy == "best" and ((self.metric_for_best_model is None and not self.load_best_model_at_end)
-                                             or self.eval_strategy == "no"):
+        _one_of("hub_strategy", self.hub_strategy, _HUB_STRATEGIES)  # checked without push_to_hub too, as transformers does
+        if self.save_strategy == "best" and self.metric_for_best_model is None and not self.load_best_model_at_end:
+            # (transformers' Trainer refuses this when it is built; mixprec already here, with the same words)
+            raise ValueError("save_strategy='best' saves when an evaluation improves metric_for_best_model, and none "
+                             "is set: `args.metric_for_best_model` must be provided when using 'best' save_strategy "
+                             "or if `args.load_best_model_at_end` is set to `True` (e.g. metric_for_best_model='loss')")
+        if self.save_strategy == "best" and self.eval_strategy == "no":
             raise ValueError("save_strategy='best' saves when an evaluation finds a new best metric_for_best_model: "
-                             "set metric_for_best_model (e.g. 'loss') and eval_strategy to 'steps' or 'epoch'")
+                             "set eval_strategy to 'steps' or 'epoch'")
         _one_of("optim", self.optim, optimizer_names())
         _one_of("train_sampling_strategy", self.train_sampling_strategy, _SAMPLING)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
@@ -352,16 +473,12 @@ class TrainingArguments:
         if self.lr_scheduler_type in METRIC_DRIVEN and self.eval_strategy == "no":
             raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r} steps with the evaluation metric: "
                              "set eval_strategy ('steps' or 'epoch') so there is one")
-        if not isinstance(self.report_to, str):
-            self.report_to = [_plain(r) for r in self.report_to]
-        if self.report_to in ("none", ["none"]):  # transformers' normalisation: no reporter is []
-            self.report_to = []
+        self._normalise_report_to()
         if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
             self.torch_compile = True  # as transformers: naming a backend or a mode asks for compilation
-            self.torch_compile_backend = self.torch_compile_backend or "inductor"
+        if self.torch_compile and self.torch_compile_backend is None:
+            self.torch_compile_backend = "inductor"  # transformers' default backend (off Gaudi and Neuron)
         if self.tf32 is not None:
-            import torch
-
             cuda = torch.cuda.is_available() and not self.use_cpu
             if self.tf32 and not (cuda and torch.cuda.get_device_capability() >= (8, 0)):
                 raise ValueError("tf32=True needs an Ampere or newer GPU (CUDA compute capability 8.0+); none is "
@@ -374,31 +491,28 @@ class TrainingArguments:
         if self.dataloader_prefetch_factor is not None and not self.dataloader_num_workers:
             raise ValueError("dataloader_prefetch_factor can only be set when data is loaded in other processes: set "
                              "dataloader_num_workers > 0, or leave dataloader_prefetch_factor unset")
-        reporters = [self.report_to] if isinstance(self.report_to, str) else self.report_to
-        for r in reporters:
-            if r in _NOT_INTEGRATED:
-                raise ValueError(f"report_to={r!r}: that integration is not part of mixprec; choose among "
-                                 f"{', '.join(map(repr, _reporter_names()))}, or add a TrainerCallback that logs to it")
-            _one_of("report_to", r, _reporter_names())
-        self.accelerator_config = self.accelerator_settings()
+        self.accelerator_config = _AcceleratorSettings(self.accelerator_settings())
         self.debug = self.debug_options()
         self.include_for_metrics = [_plain(x) for x in self.include_for_metrics or []]
         for x in self.include_for_metrics:
             _one_of("include_for_metrics", x, ("inputs", "loss"))
+        if self.eval_strategy == "steps" and not self.eval_steps:  # unset (None or 0): logging_steps, as transformers
+            self.eval_steps = self.logging_steps
         self._check_numbers()
         if self.fp16 and self.bf16:
             raise ValueError("fp16=True and bf16=True contradict each other; set only one (bf16 is the safer choice "
                              "where the hardware has it: no loss scaling needed)")
+        if self.fp16_full_eval and self.bf16_full_eval:
+            raise ValueError("fp16_full_eval=True and bf16_full_eval=True contradict each other; set only one")
         if self.precision is not None:
             canon = canonical_precision(self.precision)
             implied = "fp16-mixed" if self.fp16 else "bf16-mixed" if self.bf16 else None
             if implied is not None and canon != implied:
                 raise ValueError(f"precision={self.precision!r} contradicts {'fp16' if self.fp16 else 'bf16'}=True; "
                                  "set one of them")
-        if self.eval_strategy == "steps" and self.eval_steps is None:
-            self.eval_steps = self.logging_steps
+        self.resolved_precision  # noqa: B018 - checks the precision `accelerate launch --mixed_precision` set
         if self.load_best_model_at_end:
-            if self.eval_strategy == "no":
+            if self.eval_strategy == "no" and self.save_strategy != "best":
                 raise ValueError("load_best_model_at_end=True needs evaluation: set eval_strategy to 'steps' or 'epoch'")
             if self.save_strategy not in (self.eval_strategy, "best"):
                 raise ValueError(f"load_best_model_at_end=True needs save_strategy and eval_strategy to match, got "
@@ -406,14 +520,45 @@ class TrainingArguments:
                                  "to the same value")
             if self.eval_strategy == "steps" and self.save_strategy == "steps":
                 self._check_save_is_multiple_of_eval()
-            if self.metric_for_best_model is None:
-                self.metric_for_best_model = "loss"
+        if self.metric_for_best_model is None and (self.load_best_model_at_end or self.lr_scheduler_type in METRIC_DRIVEN):
+            self.metric_for_best_model = "loss"  # as transformers: the metric these compare
         if self.metric_for_best_model is not None and self.greater_is_better is None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.label_names is not None:
             self.label_names = list(self.label_names)
-        # One switch under two names (transformers 5's new one and the old), set together as transformers sets them.
-        self.gradient_checkpointing = self.activation_checkpointing = self.should_checkpoint_activations
+
+    def _resolve_checkpointing_aliases(self) -> None:
+        """``gradient_checkpointing*`` as transformers 5 reads them: deprecated names of
+        ``activation_checkpointing*``, taken (with a ``FutureWarning``) only where the new name is
+        unset, then set to the new name's value so code reading either sees the same."""
+        for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                         ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            if getattr(self, new) is None and getattr(self, old) is not None:
+                warnings.warn(f"`{old}` is deprecated and will be removed in transformers v6; use `{new}` instead",
+                              FutureWarning, stacklevel=5)
+                setattr(self, new, getattr(self, old))
+            setattr(self, old, getattr(self, new))
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = self.gradient_checkpointing = False
+
+    def _normalise_report_to(self) -> None:
+        """``report_to`` as transformers holds it, a list: ``"none"`` (or None) is ``[]``, ``"all"`` the
+        loggers installed here (mixprec's ``"jsonl"`` among them), one name a list of it; each name is checked."""
+        value = self.report_to
+        if value is None or value in ("none", ["none"]):
+            value = []
+        elif value in ("all", ["all"]):
+            from mixprec.tracking.registry import installed_tracker_names
+
+            value = ["jsonl", *installed_tracker_names()]
+        elif isinstance(value, (str, enum.Enum)):
+            value = [value]
+        self.report_to = [_plain(r) for r in value]
+        for r in self.report_to:
+            if r in _NOT_INTEGRATED:
+                raise ValueError(f"report_to={r!r}: that integration is not part of mixprec; choose among "
+                                 f"{', '.join(map(repr, _reporter_names()))}, or add a TrainerCallback that logs to it")
+            _one_of("report_to", r, _reporter_names())
 
     def _check_save_is_multiple_of_eval(self) -> None:
         save, every = self.save_steps, self.eval_steps
@@ -440,8 +585,13 @@ class TrainingArguments:
         limit = self.save_total_limit  # 0 or less keeps every checkpoint, as in transformers
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
             raise ValueError(f"save_total_limit must be an int or None, got {limit!r}")
-        for name in ("logging_steps", "save_steps", "eval_steps"):
-            self._check_steps(name)
+        for name, strategy in (("logging_steps", self.logging_strategy), ("save_steps", self.save_strategy),
+                               ("eval_steps", self.eval_strategy)):
+            if strategy == "steps":  # (as transformers: a value no strategy uses is not checked)
+                self._check_steps(name)
+        steps = self.torch_empty_cache_steps
+        if steps is not None and not (isinstance(steps, int) and steps > 0):
+            raise ValueError(f"torch_empty_cache_steps must be an int >= 1 (or None: never), got {steps!r}")
         if not isinstance(self.max_steps, int) or self.max_steps == 0 or self.max_steps < -1:
             raise ValueError(f"max_steps must be -1 (use num_train_epochs) or an int >= 1, got {self.max_steps!r}")
         if not (isinstance(self.num_train_epochs, (int, float)) and math.isfinite(self.num_train_epochs)
@@ -462,8 +612,6 @@ class TrainingArguments:
     def _check_steps(self, name: str) -> None:
         """``*_steps``: an int >= 1, or a fraction in (0, 1) of the training steps (Hugging Face's rule)."""
         v = getattr(self, name)
-        if v is None and name == "eval_steps":
-            return
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"{name} must be an int >= 1, or a fraction in (0, 1) of the training steps, got {v!r}")
         if v >= 1:
@@ -519,16 +667,108 @@ class TrainingArguments:
         the main process of the run."""
         return (self.local_process_index if self.log_on_each_node else self.process_index) == 0
 
+    @property
+    def should_save(self) -> bool:
+        """Whether this process writes checkpoints and models: the main process of each machine
+        (``save_on_each_node``), else the main process of the run."""
+        return (self.local_process_index if self.save_on_each_node else self.process_index) == 0
+
     def get_process_log_level(self) -> int:
         """The ``logging`` level of this process: ``log_level`` where it logs (:attr:`should_log`),
-        ``log_level_replica`` elsewhere; ``"passive"`` is the ``mixprec`` logger's level as it is."""
+        ``log_level_replica`` elsewhere; ``"passive"`` is transformers' verbosity as it is (the
+        ``mixprec`` logger's level without transformers)."""
         level = _LOG_LEVELS[self.log_level if self.should_log else self.log_level_replica]
-        return logging.getLogger("mixprec").getEffectiveLevel() if level == -1 else level
+        return _verbosity() if level == -1 else level
+
+    @property
+    def parallel_mode(self) -> enum.Enum:
+        """How the processes are arranged, a member of transformers' ``ParallelMode`` (of
+        :class:`ParallelMode` without transformers): ``DISTRIBUTED`` with several processes
+        (torchrun's ``WORLD_SIZE`` > 1), else ``NOT_PARALLEL`` (mixprec never drives several GPUs
+        from one process, transformers' ``NOT_DISTRIBUTED``)."""
+        modes = _parallel_modes()
+        return modes.DISTRIBUTED if self.world_size > 1 else modes.NOT_PARALLEL
+
+    @property
+    def ddp_timeout_delta(self) -> datetime.timedelta:
+        """``ddp_timeout`` as the ``timedelta`` ``torch.distributed.init_process_group`` takes."""
+        return datetime.timedelta(seconds=self.ddp_timeout)
+
+    @property
+    def place_model_on_device(self) -> bool | None:
+        """``None``, as transformers' (a hook subclasses override; the Trainer places the model itself)."""
+        return None
+
+    @property
+    def deepspeed_plugin(self) -> None:
+        """Always ``None``: mixprec does not run DeepSpeed (``deepspeed`` is refused)."""
+        return None
+
+    @property
+    def mixed_precision(self) -> str:
+        """The run's precision in Accelerate's words, as transformers sets it: ``"fp16"`` with
+        ``fp16``, ``"bf16"`` with ``bf16``, else what ``accelerate launch --mixed_precision`` set
+        (``ACCELERATE_MIXED_PRECISION``), else ``"no"``; mixprec's ``precision`` by its name
+        (``"bf16-true"``, ``"fp8"``) where Accelerate has none."""
+        if self.precision is not None:
+            canon = canonical_precision(self.precision)
+            return _ACCELERATE_PRECISION.get(canon, canon)
+        if self.fp16 or self.bf16:
+            return "fp16" if self.fp16 else "bf16"
+        return os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+
+    @property
+    def distributed_state(self) -> Any:
+        """This process among the run's, as an Accelerate-compatible state (``num_processes``,
+        ``process_index``, ``is_main_process``, ``wait_for_everyone()``, ...), built on each read
+        (no process-wide singleton). With several processes the first read starts the process
+        group (``ddp_backend``, ``ddp_timeout``), as transformers does when its arguments are built."""
+        from mixprec.accelerator.processes import Processes
+        from mixprec.accelerator.state import AcceleratorState
+
+        return AcceleratorState(Processes(self._process_group(), self.device), mixed_precision=self.mixed_precision)
+
+    def _process_group(self) -> Any:
+        """torchrun's ranks, with the process group started if several processes run and none is yet."""
+        from mixprec.distributed import groups
+
+        return groups.init_from_env(self.device.type, timeout_s=self.ddp_timeout, backend=self.ddp_backend)
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
+        """Run the body on the main process first while the others wait, then on the others (e.g.
+        ``dataset.map`` in transformers' example scripts: the main process writes the cache, the
+        others read it). One process runs the body at once. Syncs: two barriers across processes.
+
+        Args:
+            local: the main process of each machine goes first (``False``: only the run's main
+                process; with a filesystem every machine shares).
+            desc: what the body does, for the debug log.
+        """
+        if self.world_size <= 1:
+            yield
+            return
+        from mixprec.distributed import groups
+
+        self._process_group()
+        first = (self.local_process_index if local else self.process_index) == 0
+        log = logging.getLogger(__name__)
+        try:
+            if not first:
+                log.debug("%d: waiting for the main%s process to perform %s", self.process_index,
+                          " local" if local else "", desc)
+                groups.barrier()
+            yield
+        finally:
+            if first:
+                log.debug("%d: main process completed %s, releasing all replicas", self.process_index, desc)
+                groups.barrier()
 
     @property
     def should_checkpoint_activations(self) -> bool:
-        """``gradient_checkpointing`` or its newer name ``activation_checkpointing``."""
-        return bool(self.gradient_checkpointing or self.activation_checkpointing)
+        """``activation_checkpointing`` (or its old name ``gradient_checkpointing`` where it is unset)."""
+        new = self.activation_checkpointing
+        return bool(self.gradient_checkpointing if new is None else new)
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -543,10 +783,14 @@ class TrainingArguments:
 
     @property
     def resolved_precision(self) -> str:
-        """The precision name the run uses: ``precision``, else from ``fp16``/``bf16``, else ``"fp32"``."""
+        """The precision name the run uses: ``precision``, else from ``fp16``/``bf16``, else what
+        ``accelerate launch --mixed_precision`` set (as transformers' Trainer takes it from
+        :attr:`mixed_precision`), else ``"fp32"``."""
         if self.precision is not None:
             return self.precision
-        return "fp16-mixed" if self.fp16 else "bf16-mixed" if self.bf16 else "fp32"
+        if self.fp16 or self.bf16:
+            return "fp16-mixed" if self.fp16 else "bf16-mixed"
+        return canonical_precision(self.mixed_precision)
 
     @property
     def reporters(self) -> set[str]:
@@ -613,15 +857,150 @@ class TrainingArguments:
                                  ("bucket_cap_mb", self.ddp_bucket_cap_mb),
                                  ("broadcast_buffers", self.ddp_broadcast_buffers),
                                  ("static_graph", self.ddp_static_graph)) if v is not None}
-        group = InitProcessGroupKwargs(backend=self.ddp_backend, timeout=datetime.timedelta(seconds=self.ddp_timeout))
+        group = InitProcessGroupKwargs(backend=self.ddp_backend, timeout=self.ddp_timeout_delta)
         return ([DistributedDataParallelKwargs(**ddp)] if ddp else []) + [group]
 
-    def warmup_for(self, total_steps: int) -> int:
-        """Warm-up steps: ``warmup_steps`` (a fraction of ``total_steps`` below 1) if set, else
-        ``warmup_ratio`` of ``total_steps``."""
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """Warm-up steps, by transformers' rule: ``warmup_steps`` if it is 1 or more, else that
+        fraction of ``num_training_steps`` rounded up (mixprec's ``warmup_ratio`` where
+        ``warmup_steps`` is 0)."""
         if self.warmup_steps >= 1:
             return int(self.warmup_steps)
-        return math.ceil(total_steps * (self.warmup_steps or self.warmup_ratio))
+        return math.ceil(num_training_steps * (self.warmup_steps or self.warmup_ratio))
+
+    def warmup_for(self, total_steps: int) -> int:
+        """:meth:`get_warmup_steps` (mixprec's older name)."""
+        return self.get_warmup_steps(total_steps)
+
+    # -- transformers' grouped setters: the same parameters and defaults, the same fields set ----
+    # (checked again by validate() when the Trainer starts, so a chain of them may pass through
+    # combinations that only the last call makes consistent, as in transformers)
+    def set_training(self, learning_rate: float = 5e-5, batch_size: int = 8, weight_decay: float = 0,
+                     num_epochs: float = 3, max_steps: int = -1, gradient_accumulation_steps: int = 1, seed: int = 42,
+                     activation_checkpointing: bool = False, gradient_checkpointing: bool | None = None,
+                     ) -> TrainingArguments:
+        """Set the training fields (and ``do_train=True``); returns ``self``.
+
+        Args:
+            batch_size: ``per_device_train_batch_size``.
+            num_epochs: ``num_train_epochs``.
+            gradient_checkpointing: deprecated name of ``activation_checkpointing`` (a ``FutureWarning``).
+
+        Example:
+            >>> TrainingArguments("out").set_training(learning_rate=1e-4, batch_size=32).per_device_train_batch_size
+            32
+        """
+        self.do_train = True
+        self.learning_rate, self.per_device_train_batch_size, self.weight_decay = learning_rate, batch_size, weight_decay
+        self.num_train_epochs, self.max_steps, self.seed = num_epochs, max_steps, seed
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        if gradient_checkpointing is not None:
+            warnings.warn("`gradient_checkpointing` is deprecated and will be removed in transformers v6; use "
+                          "`activation_checkpointing` instead", FutureWarning, stacklevel=2)
+            activation_checkpointing = gradient_checkpointing
+        self.activation_checkpointing = self.gradient_checkpointing = activation_checkpointing
+        return self
+
+    def set_evaluate(self, strategy: str = "no", steps: int = 500, batch_size: int = 8,
+                     accumulation_steps: int | None = None, delay: float | None = None,
+                     loss_only: bool = False) -> TrainingArguments:
+        """Set the evaluation fields (``eval_strategy``, ``eval_steps``, ``per_device_eval_batch_size``,
+        ``eval_accumulation_steps``, ``eval_delay``, ``prediction_loss_only``; ``do_eval`` when
+        evaluating); returns ``self``.
+
+        Raises:
+            ValueError: an unknown strategy, or ``"steps"`` with ``steps=0``.
+        """
+        self.eval_strategy = _check_strategy("eval_strategy", strategy, steps, _STRATEGIES)
+        self.do_eval = self.eval_strategy != "no"
+        self.eval_steps, self.per_device_eval_batch_size = steps, batch_size
+        self.eval_accumulation_steps, self.eval_delay, self.prediction_loss_only = accumulation_steps, delay, loss_only
+        return self
+
+    def set_testing(self, batch_size: int = 8, loss_only: bool = False) -> TrainingArguments:
+        """Set ``per_device_eval_batch_size`` and ``prediction_loss_only`` (and ``do_predict=True``); returns ``self``."""
+        self.do_predict = True
+        self.per_device_eval_batch_size, self.prediction_loss_only = batch_size, loss_only
+        return self
+
+    def set_save(self, strategy: str = "steps", steps: int = 500, total_limit: int | None = None,
+                 on_each_node: bool = False) -> TrainingArguments:
+        """Set ``save_strategy``, ``save_steps``, ``save_total_limit`` and ``save_on_each_node``; returns ``self``.
+
+        Raises:
+            ValueError: an unknown strategy, or ``"steps"`` with ``steps=0``.
+        """
+        self.save_strategy = _check_strategy("save_strategy", strategy, steps, (*_STRATEGIES, "best"))
+        self.save_steps, self.save_total_limit, self.save_on_each_node = steps, total_limit, on_each_node
+        return self
+
+    def set_logging(self, strategy: str = "steps", steps: int = 500, report_to: str | list[str] = "none",
+                    level: str = "passive", first_step: bool = False, nan_inf_filter: bool = False,
+                    on_each_node: bool = False, replica_level: str = "passive") -> TrainingArguments:
+        """Set ``logging_strategy``, ``logging_steps``, ``report_to``, ``log_level``,
+        ``logging_first_step``, ``logging_nan_inf_filter``, ``log_on_each_node`` and
+        ``log_level_replica`` (transformers' defaults, ``nan_inf_filter=False`` among them); returns ``self``.
+
+        Raises:
+            ValueError: an unknown strategy, or ``"steps"`` with ``steps=0``.
+        """
+        self.logging_strategy = _check_strategy("logging_strategy", strategy, steps, _STRATEGIES)
+        self.logging_steps, self.report_to, self.log_level = steps, report_to, level
+        self.logging_first_step, self.logging_nan_inf_filter = first_step, nan_inf_filter
+        self.log_on_each_node, self.log_level_replica = on_each_node, replica_level
+        return self
+
+    def set_push_to_hub(self, model_id: str, strategy: str = "every_save", token: str | None = None,
+                        private_repo: bool | None = None, always_push: bool = False,
+                        revision: str | None = None) -> TrainingArguments:
+        """transformers' Hub settings, refused: mixprec does not upload (``push_to_hub`` stays ``False``).
+
+        Raises:
+            ValueError: always, saying what to do instead.
+        """
+        raise ValueError(f"set_push_to_hub({model_id!r}): push_to_hub=True is not supported by mixprec's Trainer "
+                         f"({_UNSUPPORTED['push_to_hub']}); leave push_to_hub at its default False")
+
+    def set_optimizer(self, name: str = "adamw_torch", learning_rate: float = 5e-5, weight_decay: float = 0,
+                      beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8,
+                      args: str | None = None) -> TrainingArguments:
+        """Set ``optim``, ``learning_rate``, ``weight_decay``, ``adam_beta1``, ``adam_beta2``,
+        ``adam_epsilon`` and ``optim_args``; returns ``self``.
+
+        Raises:
+            ValueError: an optimizer name transformers does not know (the message lists them).
+        """
+        _one_of("optim", _plain(name), optimizer_names())
+        self.optim, self.learning_rate, self.weight_decay = _plain(name), learning_rate, weight_decay
+        self.adam_beta1, self.adam_beta2, self.adam_epsilon, self.optim_args = beta1, beta2, epsilon, args
+        return self
+
+    def set_lr_scheduler(self, name: str = "linear", num_epochs: float = 3.0, max_steps: int = -1,
+                         warmup_steps: float = 0) -> TrainingArguments:
+        """Set ``lr_scheduler_type``, ``num_train_epochs``, ``max_steps`` and ``warmup_steps``; returns ``self``.
+
+        Raises:
+            ValueError: a scheduler name transformers does not know (the message lists them).
+        """
+        _one_of("lr_scheduler_type", _plain(name), SCHEDULER_TYPES)
+        self.lr_scheduler_type, self.num_train_epochs = _plain(name), num_epochs
+        self.max_steps, self.warmup_steps = max_steps, warmup_steps
+        return self
+
+    def set_dataloader(self, train_batch_size: int = 8, eval_batch_size: int = 8, drop_last: bool = False,
+                       num_workers: int = 0, pin_memory: bool = True, persistent_workers: bool = False,
+                       prefetch_factor: int | None = None, multiprocessing_context: str | None = None,
+                       in_order: bool = True, auto_find_batch_size: bool = False, ignore_data_skip: bool = False,
+                       sampler_seed: int | None = None) -> TrainingArguments:
+        """Set the dataloader fields (``per_device_*_batch_size``, ``dataloader_*``,
+        ``auto_find_batch_size``, ``ignore_data_skip``, and ``data_seed`` from ``sampler_seed``); returns ``self``."""
+        self.per_device_train_batch_size, self.per_device_eval_batch_size = train_batch_size, eval_batch_size
+        self.dataloader_drop_last, self.dataloader_num_workers = drop_last, num_workers
+        self.dataloader_pin_memory, self.dataloader_persistent_workers = pin_memory, persistent_workers
+        self.dataloader_prefetch_factor, self.dataloader_multiprocessing_context = prefetch_factor, multiprocessing_context
+        self.dataloader_in_order, self.auto_find_batch_size = in_order, auto_find_batch_size
+        self.ignore_data_skip, self.data_seed = ignore_data_skip, sampler_seed
+        return self
 
     # -- serialisation ---------------------------------------------------------------------
     def replace(self, **changes: Any) -> TrainingArguments:
@@ -717,7 +1096,8 @@ def plugin_from_training_args(fsdp: Any, fsdp_config: Any) -> FullyShardedDataPa
                    "hybrid_shard_zero2": "one node is sharded as a whole",
                    "no_shard": "without sharding, run DDP: leave fsdp unset"}.get(opt, "unknown option")
             raise ValueError(f"fsdp={fsdp!r}: {opt!r}: {why}; mixprec takes {sorted(known)}")
-    config = dict(fsdp_config or {})
+    # Every key with or without "fsdp_", as transformers reads fsdp_config ("fsdp_version" is its "version").
+    config = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in (fsdp_config or {}).items()}
     if "shard_grad_op" in options:
         config.setdefault("reshard_after_forward", False)
     return FullyShardedDataParallelPlugin.from_config(config)
