@@ -205,8 +205,11 @@ class PreparedDataLoader(DataLoader):
     def __init__(self, loader: DataLoader, *, device: torch.device | None, world_size: int = 1, rank: int = 0,
                  seed: int = 0, float_dtype: torch.dtype | None = None, on_iter=None, on_end=None,
                  non_blocking: bool | None = None, resume_position: bool = True, shuffle: str = "seedable",
-                 split_batches: bool = False, even_batches: bool = True, dispatch_batches: bool = False) -> None:
+                 split_batches: bool = False, even_batches: bool = True, dispatch_batches: bool = False,
+                 gradient_state: Any = None) -> None:
         self.base_dataloader = loader
+        self.gradient_state = gradient_state  # the owner's (Accelerate's attribute of this name)
+        self.torch_device_mesh = None  # Accelerate's, for tensor parallelism: mixprec runs data parallelism only
         self.device = device
         self.float_dtype = float_dtype
         self.non_blocking = non_blocking
@@ -304,6 +307,22 @@ class PreparedDataLoader(DataLoader):
     def even_batches(self, value: bool) -> None:
         if self._sharder is not None:
             self._sharder.even = bool(value)
+
+    @property
+    def iteration(self) -> int:
+        """Accelerate's name for the epoch this loader is in (set by :meth:`set_epoch`)."""
+        return self.epoch
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        """Whether its position within an epoch is saved and restored with the checkpoint."""
+        return self.resume_position
+
+    @property
+    def rng_types(self) -> list[str]:
+        """Accelerate's names of the random generators synchronised between processes: the
+        sampler's own generator, seeded alike on every process."""
+        return ["generator"]
 
     @property
     def split_batches(self) -> bool:

@@ -9,6 +9,7 @@ list, and on a listed name that is now present (the list is then stale: delete i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from pathlib import Path
 
@@ -43,9 +44,64 @@ def _accelerate_instances() -> tuple[object, object]:
     return names, (_public(ours), _public(ours.state), _public(ours.gradient_state))
 
 
+def _prepared_instances(lib: object) -> tuple[set[str], set[str], set[str]]:
+    """The public names of what ``prepare`` hands back: the optimizer, scheduler and dataloader."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 2)), batch_size=2)
+    _, opt, sched, dl = lib.Accelerator(cpu=True).prepare(model, optimizer, scheduler, loader)
+    return _public(opt), _public(sched), _public(dl)
+
+
+def _trainer_instances(lib: object, out: Path) -> dict[str, object]:
+    """Every object a Trainer user's code holds, live, after one training step: the arguments,
+    the trainer, its state, control, optimizer, scheduler and callbacks, and an EvalPrediction;
+    and the Seq2Seq pair."""
+    from toys import SineRegressor, SineRows
+
+    args = lib.TrainingArguments(output_dir=str(out / lib.__name__), report_to="none", use_cpu=True, max_steps=1,
+                                 save_strategy="no", disable_tqdm=True)
+    trainer = lib.Trainer(model=SineRegressor(), args=args, train_dataset=SineRows())
+    trainer.train()
+    held = {"TrainingArguments()": args, "Trainer()": trainer, "trainer.state": trainer.state,
+            "trainer.control": trainer.control, "trainer.optimizer": trainer.optimizer,
+            "trainer.lr_scheduler": trainer.lr_scheduler, "trainer.callback_handler": trainer.callback_handler,
+            "EvalPrediction()": lib.EvalPrediction(predictions=torch.zeros(2), label_ids=torch.zeros(2)),
+            "EarlyStoppingCallback()": lib.EarlyStoppingCallback(), "ProgressCallback()": lib.ProgressCallback()}
+    for callback in trainer.callback_handler.callbacks:
+        held[f"{type(callback).__name__}()"] = callback
+    s2s_args = lib.Seq2SeqTrainingArguments(output_dir=str(out / lib.__name__), report_to="none", use_cpu=True)
+    held["Seq2SeqTrainingArguments()"] = s2s_args
+    held["Seq2SeqTrainer()"] = lib.Seq2SeqTrainer(model=SineRegressor(), args=s2s_args)
+    return held
+
+
+def _transformers_instances(tmp: Path) -> dict[str, tuple[set[str], set[str]]]:
+    from accelerate.state import AcceleratorState
+
+    try:
+        theirs = _trainer_instances(transformers, tmp)
+        prepared = _prepared_instances(accelerate)
+    finally:
+        AcceleratorState._reset_state(True)  # the Trainer's Accelerator set Accelerate's singletons
+    ours = _trainer_instances(mixprec, tmp)
+    mine = _prepared_instances(mixprec)
+    found = {f"accelerator.prepare {what}": (prepared[i], mine[i])
+             for i, what in enumerate(("optimizer", "scheduler", "dataloader"))}
+    for where, obj in theirs.items():
+        found[f"transformers.{where}"] = (_public(obj), _public(ours[where]) if where in ours else set())
+    return found
+
+
+@functools.cache
 def surfaces() -> dict[str, tuple[set[str], set[str]]]:
-    """What each anchor offers and what mixprec offers, by surface."""
+    """What each anchor offers and what mixprec offers, by surface (measured once per session)."""
+    import tempfile
+
     (acc, state, grad), (m_acc, m_state, m_grad) = _accelerate_instances()
+    with tempfile.TemporaryDirectory() as tmp:
+        held = _transformers_instances(Path(tmp))
     init = lambda cls: set(inspect.signature(cls.__init__).parameters) - {"self"}  # noqa: E731
     return {
         "accelerate.Accelerator": (acc, m_acc),
@@ -62,6 +118,7 @@ def surfaces() -> dict[str, tuple[set[str], set[str]]]:
         "transformers.TrainerCallback": (_public(transformers.TrainerCallback), _public(mixprec.TrainerCallback)),
         "transformers.TrainerState": (_fields(transformers.TrainerState), _fields(mixprec.TrainerState)),
         "torch.amp.GradScaler": (_public(torch.amp.GradScaler), _public(mixprec.LossScaler)),
+        **held,
     }
 
 
@@ -110,6 +167,9 @@ def test_the_docs_compatibility_tables_are_the_surface_as_measured():
 
 
 if __name__ == "__main__":  # rewrite the docs' tables
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # toys.py, as pytest's pythonpath gives it
     GENERATED.mkdir(parents=True, exist_ok=True)
     for path, table in surface_tables().items():
         path.write_text(table)

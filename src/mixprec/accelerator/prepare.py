@@ -270,7 +270,8 @@ class Preparer:
                                       on_end=self.gradient_state._remove_dataloader,
                                       non_blocking=config.non_blocking, resume_position=config.use_stateful_dataloader,
                                       shuffle=shuffle, split_batches=config.split_batches,
-                                      even_batches=config.even_batches, dispatch_batches=dispatch)
+                                      even_batches=config.even_batches, dispatch_batches=dispatch,
+                                      gradient_state=self.gradient_state)
         if checkpoint:
             self.prepared.dataloaders.append(prepared)
         return self._mark_prepared(prepared)

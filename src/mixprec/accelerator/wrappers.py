@@ -136,6 +136,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             raise AttributeError(name)  # not set yet (unpickling, copying): no recursion
         return getattr(self.optimizer, name)
 
+    def __dir__(self) -> list[str]:
+        return _names(self, self.__dict__.get("optimizer"))
+
     @property  # type: ignore[misc]
     def __class__(self) -> type:
         """The wrapped optimizer's class, so that ``isinstance(prepared, type(user_optimizer))``
@@ -235,6 +238,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return f"AcceleratedOptimizer({self.optimizer!r})"
 
 
+def _names(wrapper: Any, inner: Any) -> list[str]:
+    """``dir()`` of a wrapper whose ``__class__`` is the wrapped object's: its own class's names
+    and attributes, and the wrapped object's (reached through ``__getattr__``)."""
+    return sorted(set(dir(type(wrapper))) | set(wrapper.__dict__) | (set(dir(inner)) if inner is not None else set()))
+
+
 def _class_of(wrapper: Any, attribute: str) -> type:
     """What a wrapper's ``__class__`` answers: the class of the object it wraps, once set (before
     that, while it is made, copied or unpickled, its own)."""
@@ -300,7 +309,11 @@ class AcceleratedScheduler:
         return getattr(self.scheduler, name)
 
     def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(dir(self.scheduler)))
+        return _names(self, self.__dict__.get("scheduler"))
+
+    def print_lr(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped scheduler's ``print_lr`` (Accelerate's wrapper has the name too)."""
+        return self.scheduler.print_lr(*args, **kwargs)
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:

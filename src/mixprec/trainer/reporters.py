@@ -65,6 +65,8 @@ class ProgressCallback(TrainerCallback):
     gradients) since the last log: steps 3, 4, 9; scale 2048"), never one line per step.
 
     Args:
+        max_str_len: longer string values of a log are shown as a note of their length
+            (transformers' argument of this name).
         log_interval: seconds between the bar's lines when stderr is not a terminal.
 
     Example:
@@ -72,41 +74,48 @@ class ProgressCallback(TrainerCallback):
         >>> trainer.add_callback(ProgressCallback(log_interval=30.0))  # a line every 30 s in a log  # doctest: +SKIP
     """
 
-    def __init__(self, log_interval: float = 5.0) -> None:
+    def __init__(self, max_str_len: int = 100, log_interval: float = 5.0) -> None:
+        self.max_str_len = max_str_len
         self.log_interval = log_interval
-        self.bar = None
+        self.training_bar = None
+        self.prediction_bar = None  # transformers' evaluation bar: mixprec shows none
         self._skipped_at_last_log = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train",
+            self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train",
                             **_bar_options(sys.stderr, self.log_interval))
             self._skipped_at_last_log = state.skipped_steps
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.update(state.global_step - self.bar.n)
+        if self.training_bar is not None:
+            self.training_bar.update(state.global_step - self.training_bar.n)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.bar is None or not logs:
+        if self.training_bar is None or not logs:
             return
         shown = {k: logs[k] for k in ("loss", "learning_rate", "loss_scale", "skipped_steps") if k in logs}
-        self.bar.set_postfix({k: _fmt(v) for k, v in shown.items()}, refresh=False)
+        self.training_bar.set_postfix({k: _fmt(v) for k, v in shown.items()}, refresh=False)
         at = logs.get("skipped_steps_at")
         new = len(at) if at is not None else state.skipped_steps - self._skipped_at_last_log
         if new > 0:
-            self.bar.write(f"{new} step{'s' if new > 1 else ''} skipped for overflow (inf/NaN gradients) since the "
+            self.training_bar.write(f"{new} step{'s' if new > 1 else ''} skipped for overflow (inf/NaN gradients) since the "
                            f"last log{': ' + describe_steps(at) if at else ''}; scale {state.loss_scale:g}")
         self._skipped_at_last_log = state.skipped_steps
         if any(k.startswith("eval_") for k in logs):
-            self.bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in logs.items()))
+            self.training_bar.write(" ".join(f"{k}={self._shown(v)}" for k, v in logs.items()))
+
+    def _shown(self, value: Any) -> str:
+        if isinstance(value, str) and len(value) > self.max_str_len:
+            return f"[String too long to display, length: {len(value)} > {self.max_str_len}]"
+        return _fmt(value)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        if self.training_bar is not None:
+            self.training_bar.close()
+            self.training_bar = None
 
 
 class PrinterCallback(TrainerCallback):
