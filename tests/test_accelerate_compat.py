@@ -93,6 +93,78 @@ def test_save_and_load_pre_hooks_join_the_atomic_checkpoint_and_can_be_removed(t
     assert not (tmp_path / "b" / "extra.json").exists()
 
 
+def two_models_saved_by_hooks(accelerator_cls, folder, seen):
+    """Two models prepared on ``accelerator_cls``: a save hook writes the first itself and pops its
+    weights (as peft users save only the adapter), a load hook loads it and pops it; what the hooks
+    receive is recorded in ``seen``. Returns the accelerator and the models."""
+    acc = accelerator_cls(cpu=True)
+    torch.manual_seed(0)
+    own, rest = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+    own, rest = acc.prepare(own, rest)
+
+    def save_hook(models, weights, output_dir):
+        seen.append(("save", len(models), [sorted(w) for w in weights]))
+        if acc.is_main_process:
+            torch.save(acc.unwrap_model(models[0]).state_dict(), f"{output_dir}/own.pt")
+        weights.pop(0)
+
+    def load_hook(models, input_dir):
+        seen.append(("load", len(models)))
+        acc.unwrap_model(models.pop(0)).load_state_dict(torch.load(f"{input_dir}/own.pt", weights_only=True))
+
+    acc.register_save_state_pre_hook(save_hook)
+    acc.register_load_state_pre_hook(load_hook)
+    return acc, own, rest
+
+
+@pytest.mark.parametrize("anchor", [False, True])
+def test_a_save_hook_that_pops_weights_keeps_them_out_and_the_load_hooks_load_them(tmp_path, anchor):
+    """Accelerate's protocol, under Accelerate itself and under mixprec: the weights a save hook
+    pops are not written (the models left are numbered again from 0); load_state runs the load
+    hooks, and a model a hook popped needs no weights file. mixprec's checkpoint still verifies:
+    the hook's file is in the manifest, the popped model's file simply is not."""
+    accelerate = pytest.importorskip("accelerate") if anchor else None
+    cls = accelerate.Accelerator if anchor else Accelerator
+    seen = []
+    try:
+        acc, own, rest = two_models_saved_by_hooks(cls, tmp_path, seen)
+        acc.save_state(str(tmp_path / "ckpt"))
+        saved = [{k: v.clone() for k, v in m.state_dict().items()} for m in (own, rest)]
+        names = {p.name for p in (tmp_path / "ckpt").iterdir()}
+        assert "own.pt" in names and not {"model_1.safetensors", "model_1.bin"} & names
+        first = tmp_path / "ckpt" / ("model.safetensors" if anchor else "model_0.safetensors")
+        assert safetensors.torch.load_file(str(first)).keys() == {"weight", "bias"}  # the second model's
+        assert torch.equal(safetensors.torch.load_file(str(first))["weight"], saved[1]["weight"])
+        if not anchor:
+            manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["files"]
+            assert "own.pt" in manifest and "model_1.safetensors" not in manifest
+        with torch.no_grad():
+            for m in (own, rest):
+                for p in m.parameters():
+                    p.zero_()
+        acc.load_state(str(tmp_path / "ckpt"))
+        assert all(torch.equal(m.state_dict()[k], s[k]) for m, s in zip((own, rest), saved) for k in s)
+        assert seen == [("save", 2, [["bias", "weight"], ["bias", "weight"]]), ("load", 2)]
+    finally:
+        if anchor:
+            accelerate.state.AcceleratorState._reset_state(True)
+
+
+def test_load_state_verifies_the_files_a_load_hook_reads_and_names_a_model_no_hook_loaded(tmp_path):
+    seen = []
+    acc, own, rest = two_models_saved_by_hooks(Accelerator, tmp_path, seen)
+    acc.save_state(tmp_path / "ckpt")
+    fresh = Accelerator(cpu=True)
+    fresh.prepare(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))  # no load hook pops the first model
+    with pytest.raises(CheckpointError, match="model_1.safetensors is not listed.*a load hook must pop each model"):
+        fresh.load_state(tmp_path / "ckpt")
+    hooked = (tmp_path / "ckpt" / "own.pt").read_bytes()
+    (tmp_path / "ckpt" / "own.pt").write_bytes(hooked[:-1] + bytes([hooked[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match="own.pt"):  # before the hook reads it
+        acc.load_state(tmp_path / "ckpt")
+    assert seen[-1][0] == "save"
+
+
 @pytest.mark.parametrize("safe", [True, False])
 def test_save_model_shards_with_an_index_that_transformers_layout_expects(tmp_path, safe):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))

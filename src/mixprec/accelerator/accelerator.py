@@ -474,15 +474,21 @@ class Accelerator:
     def register_save_state_pre_hook(self, hook: Any) -> Any:
         """Call ``hook(models, weights, output_dir)`` before :meth:`save_state` writes.
 
-        ``weights`` are the models' state dicts; removing one from the list (with its model)
-        leaves that model to the hook. Files the hook writes into ``output_dir`` join the same
-        atomic write. Returns a handle whose ``remove()`` unregisters the hook.
+        As in Accelerate: ``models`` are the prepared models, ``weights`` their state dicts; a hook
+        that saves a model itself (``save_pretrained`` of a peft adapter) pops its state dict from
+        ``weights``, and the state dicts left are written as ``model_0.safetensors``,
+        ``model_1.safetensors``... in order. Called on every process; ``output_dir`` is the staging
+        folder, and files the hook writes there join the same atomic write and its manifest.
+        Returns a handle whose ``remove()`` unregisters the hook.
         """
         return self.checkpointer.hooks.add_save(hook)
 
     def register_load_state_pre_hook(self, hook: Any) -> Any:
-        """Call ``hook(models, input_dir)`` before :meth:`load_state` reads; removing a model from
-        the list leaves its weights to the hook. Returns a handle whose ``remove()`` unregisters it."""
+        """Call ``hook(models, input_dir)`` in :meth:`load_state`, after the checkpoint's files
+        verify and before anything is restored, on every process. As in Accelerate, a hook that
+        loads a model itself pops it from ``models``; the models left take ``model_0.safetensors``,
+        ``model_1.safetensors``... in order, so files a save hook kept out are not needed. Returns
+        a handle whose ``remove()`` unregisters it."""
         return self.checkpointer.hooks.add_load(hook)
 
     def _make_precision(self, precision: Any, device: torch.device, config: PrecisionConfig) -> PrecisionPlugin:

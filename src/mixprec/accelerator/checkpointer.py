@@ -29,6 +29,7 @@ from mixprec.accelerator.prepare import PreparedObjects
 from mixprec.accelerator.processes import Processes
 from mixprec.accelerator.wrappers import unpatch_forward, unwrap, unwrap_keeping_compile
 from mixprec.checkpoint.folder import (
+    MANIFEST,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointReader,
@@ -238,9 +239,16 @@ class Checkpointer:
                 futures = save_sharded(tmp, [unwrap(m) for m in prepared.models],
                                        [] if model_only else [o.optimizer for o in prepared.optimizers],
                                        written=written, asynchronous=asynchronous, process_group=process_group)
+            # Accelerate's protocol: the save hooks run on every process, before anything is written;
+            # a hook that saves a model itself pops its state dict from ``weights``. What a hook
+            # writes into the staging folder joins the atomic commit.
+            models = [] if sharded else list(prepared.models)
+            weights = [unwrap(m).state_dict() for m in models]
+            for hook in self.hooks.save.values():
+                hook(models, weights, str(tmp))
             if main:
-                names = self._write_shared(written, meta, {} if model_only else precision_state, extra_files,
-                                           sharded=sharded, model_only=model_only)
+                names = self._write_shared(written, weights, meta, {} if model_only else precision_state,
+                                           extra_files, sharded=sharded, model_only=model_only)
                 if finish is not None:
                     finish(tmp, names)
         except Exception as e:  # noqa: BLE001 - every process must reach the verdict below
@@ -300,23 +308,17 @@ class Checkpointer:
             pending.wait()
         return pending
 
-    def _write_shared(self, written: WrittenFiles, meta: dict[str, Any], precision_state: dict[str, Any],
-                      extra_files: dict[str, str | bytes], *, sharded: bool,
+    def _write_shared(self, written: WrittenFiles, weights: list[dict[str, torch.Tensor]], meta: dict[str, Any],
+                      precision_state: dict[str, Any], extra_files: dict[str, str | bytes], *, sharded: bool,
                       model_only: bool = False) -> dict[str, list[str]]:
-        """The main process's files; returns their names by role."""
+        """The main process's files (``weights``: the models' state dicts the save hooks left);
+        returns their names by role."""
         prepared = self.prepared
-        tmp = written.root
         names: dict[str, list[str]] = {}
-        models = [] if sharded else list(prepared.models)
-        if self.hooks.save:
-            weights = [unwrap(m).state_dict() for m in models]
-            given = list(weights)
-            for hook in self.hooks.save.values():
-                hook(models, weights, str(tmp))  # what the hook writes joins the atomic commit
-            models = [m for m, w in zip(prepared.models, given) if any(w is x for x in weights)]
-        for i, m in enumerate(models):
+        tmp = written.root
+        for i, state in enumerate(weights):  # what the hooks left, numbered again from 0, as Accelerate does
             with written.open(tmp / f"model_{i}.safetensors") as fh:
-                write_safetensors(untied(unwrap(m).state_dict()), fh, metadata={"format": "pt"})
+                write_safetensors(untied(state), fh, metadata={"format": "pt"})
             names.setdefault("model", []).append(f"model_{i}.safetensors")
         for name, objs in ({} if model_only else prepared.stateful()).items():
             if sharded and name == "optimizer":
@@ -347,6 +349,13 @@ class Checkpointer:
         it (the sha256 beside the reading), and nothing is restored until every process's files
         verify: the processes agree on the verdict with one collective, so each raises the same
         :class:`CheckpointError` and none waits for one that gave up.
+
+        Load pre-hooks run as in Accelerate: after the files verify, before anything is restored,
+        with the prepared models and the folder; a hook that loads a model itself pops it from the
+        list, and the models left take the weights files in order (``model_0.safetensors`` for the
+        first left, ...). Since a hook may read any file, with load hooks every file of the
+        manifest this process could read is verified first (what a save hook kept out of the
+        checkpoint is simply not asked for).
         """
         self.wait()
         path = self.load_dir(input_dir)
@@ -356,7 +365,7 @@ class Checkpointer:
         reader = None
         try:
             reader = CheckpointReader(path)
-            staged = self._read(reader)
+            staged = self._read(reader, hooked=bool(self.hooks.load))
         except CheckpointError as e:
             problem = str(e)
         except Exception as e:  # noqa: BLE001 - every process must reach the verdict
@@ -370,6 +379,8 @@ class Checkpointer:
             load_sharded(path, [unwrap(m) for m in models], [o.optimizer for o in prepared.optimizers], reader=reader,
                          agree=D.all_gather_object)
             models = []
+        if self.hooks.load:  # (checked in _read where there are none)
+            _check_weights_held(reader, len(models))
         for i, m in enumerate(models):
             safetensors.torch.load_model(unwrap(m), str(path / f"model_{i}.safetensors"), strict=True,
                                          device=str(self.device))
@@ -379,14 +390,17 @@ class Checkpointer:
         set_rng_state(staged["rng"])
         return staged["meta"], staged["scaler"]
 
-    def _read(self, reader: CheckpointReader) -> dict[str, Any]:
+    def _read(self, reader: CheckpointReader, *, hooked: bool = False) -> dict[str, Any]:
         """This process's files of the checkpoint, parsed (nothing restored yet) and verified: the
         hashes run beside the parsing; the models' safetensors are only hashed here (read into the
-        models once they verify)."""
+        models once they verify). ``hooked``: load hooks will run, so which models take weights
+        files is known only after them; every file they could read is verified too."""
         path, prepared, info = reader.path, self.prepared, self.processes.info
         sharded = (path / "model_0").is_dir()  # written by DCP: any number of ranks reads it
-        if not sharded:
-            reader.check([f"model_{i}.safetensors" for i in range(len(prepared.models))])
+        if hooked:
+            reader.check([f for f in reader.files if _readable_by(f, info.rank)])
+        elif not sharded:
+            reader.check(_check_weights_held(reader, len(prepared.models)))
         rng = f"random_states_{info.rank}.bin"
         if rng not in reader.files:
             # Written by fewer processes (a resharded resume): every new rank continues from rank 0's RNG.
@@ -413,6 +427,33 @@ class Checkpointer:
 
 #: A staging folder (``.<name>.tmp-<hex>``) or a replaced checkpoint awaiting removal (``.<name>.old-<hex>``).
 _LEFTOVER = re.compile(r"\..+\.(tmp|old)-[0-9a-f]{8}")
+_RNG_FILE = re.compile(r"random_states_(\d+)\.bin")
+_DCP_DIR = re.compile(r"model_\d+")
+
+
+def _check_weights_held(reader: CheckpointReader, n: int) -> list[str]:
+    """The weights files of ``n`` models to load, which the manifest must list.
+
+    Raises:
+        CheckpointError: one is not there, with the usual cause (save and load hooks that do not
+            match) and the other (a run prepared otherwise).
+    """
+    files = [f"model_{i}.safetensors" for i in range(n)]
+    missing = [f for f in files if f not in reader.files]
+    if missing:
+        raise CheckpointError(f"{reader.path / missing[0]} is not listed in {reader.path / MANIFEST}: the checkpoint "
+                              f"holds the weights of {n - len(missing)} model(s) and {n} are to be loaded (those the "
+                              "load_state pre-hooks left); a load hook must pop each model whose weights a save hook "
+                              "popped (and load it itself), or the checkpoint is another run's: load it into a run "
+                              "prepared like the one that saved it")
+    return files
+
+
+def _readable_by(rel: str, rank: int) -> bool:
+    """Whether process ``rank`` may read the checkpoint file ``rel``: all but the other processes'
+    random states and DCP's shards (``model_<i>/``, which the sharded load verifies itself)."""
+    rng = _RNG_FILE.fullmatch(rel)
+    return not (rng is not None and int(rng.group(1)) != rank) and not _DCP_DIR.fullmatch(rel.split("/")[0])
 
 
 def checkpoint_bytes(prepared: PreparedObjects) -> int:
