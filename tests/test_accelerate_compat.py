@@ -165,6 +165,16 @@ def test_load_state_verifies_the_files_a_load_hook_reads_and_names_a_model_no_ho
     assert seen[-1][0] == "save"
 
 
+def test_split_between_processes_keeps_a_mapping_such_as_batch_encoding():
+    from mixprec.accelerator.state import split_for_process
+
+    transformers = pytest.importorskip("transformers")
+    batch = transformers.BatchEncoding({"input_ids": torch.arange(10).reshape(5, 2), "labels": torch.arange(5)})
+    part = split_for_process(batch, 2, 1)
+    assert isinstance(part, transformers.BatchEncoding)
+    assert torch.equal(part["labels"], torch.tensor([3, 4])) and part["input_ids"].shape == (2, 2)
+
+
 @pytest.mark.parametrize("safe", [True, False])
 def test_save_model_shards_with_an_index_that_transformers_layout_expects(tmp_path, safe):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))

@@ -304,3 +304,33 @@ def test_a_hugging_face_model_trains_with_gradient_checkpointing_and_its_checkpo
     torch.testing.assert_close(back.transformer.wte.weight, model.transformer.wte.weight)
     with pytest.raises(ValueError, match="gradient_checkpointing=True needs a model with gradient_checkpointing_enable"):
         make(tmp_path, gradient_checkpointing=True).train()
+
+
+def test_a_batch_encoding_batch_counts_as_a_dict_for_labels_metrics_and_tokens(tmp_path):
+    """transformers' collators return a ``BatchEncoding`` (a ``UserDict``, not a ``dict``): its labels
+    reach ``compute_metrics`` (so ``metric_for_best_model`` works), its tokens are counted, and
+    ``predict`` returns its labels."""
+    transformers = pytest.importorskip("transformers")
+
+    def collator(rows):
+        return transformers.BatchEncoding({k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+
+    seen = []
+
+    def metrics(p):
+        seen.append(p.label_ids.shape)
+        return {"mse": float(((p.predictions - p.label_ids) ** 2).mean())}
+
+    model = Line()
+    model.main_input_name = "input_x"
+    args = TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=8, learning_rate=0.1, report_to="none",
+                             disable_tqdm=True, max_steps=4, eval_strategy="steps", eval_steps=2, save_steps=2,
+                             metric_for_best_model="mse", greater_is_better=False, load_best_model_at_end=True,
+                             include_num_input_tokens_seen=True)
+    trainer = Trainer(model, args, data_collator=collator, train_dataset=line_data(),
+                      eval_dataset=line_data(16, seed=1), compute_metrics=metrics)
+    trainer.train()
+    assert seen == [(16,), (16,)] and trainer.state.best_metric == min(
+        row["eval_mse"] for row in trainer.state.log_history if "eval_mse" in row)
+    assert trainer.state.num_input_tokens_seen == 32
+    assert trainer.predict(line_data(8)).label_ids.shape == (8,)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -125,11 +125,15 @@ class AcceleratorState(_State):
 
 
 def split_for_process(inputs: Any, num_processes: int, index: int, apply_padding: bool = False) -> Any:
-    """Process ``index``'s contiguous share of ``inputs`` (a list, tuple, tensor, or a dict of
+    """Process ``index``'s contiguous share of ``inputs`` (a list, tuple, tensor, or a mapping of
     them): the first processes take one more when the length does not divide; with
     ``apply_padding`` the others repeat the last element so every share has the same length."""
-    if isinstance(inputs, dict):
-        return {k: split_for_process(v, num_processes, index, apply_padding) for k, v in inputs.items()}
+    if isinstance(inputs, Mapping):  # a dict, or a mapping such as transformers' BatchEncoding (kept as its type)
+        parts = {k: split_for_process(v, num_processes, index, apply_padding) for k, v in inputs.items()}
+        try:
+            return parts if type(inputs) is dict else type(inputs)(parts)
+        except TypeError:  # a mapping whose constructor takes something else
+            return parts
     per, extra = divmod(len(inputs), num_processes)
     start = index * per + min(index, extra)
     part = inputs[start:start + per + (1 if index < extra else 0)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -120,7 +120,7 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
                 logits = trainer.preprocess_logits_for_metrics(logits, label)
             logits = gather(logits) if logits is not None else None
             label = gather(label) if label is not None else None
-            if "inputs" in include and isinstance(inputs, dict) and main_input in inputs:
+            if "inputs" in include and isinstance(inputs, Mapping) and main_input in inputs:
                 seen_inputs.append(_cpu(gather(inputs[main_input])))
             if batch_metrics and trainer.compute_metrics is not None and logits is not None and label is not None:
                 batch_result = trainer.compute_metrics(EvalPrediction(logits, label), compute_result=last)
@@ -171,7 +171,7 @@ def _batch_size(inputs: Any) -> int:
 
 
 def _labels(inputs: Any, names: list[str]) -> Any:
-    if not isinstance(inputs, dict) or not all(k in inputs for k in names):
+    if not isinstance(inputs, Mapping) or not all(k in inputs for k in names):  # BatchEncoding is a UserDict
         return None
     found = tuple(inputs[k] for k in names)
     return found[0] if len(found) == 1 else found

@@ -812,7 +812,7 @@ class Trainer:
         with ``label_smoothing_factor``, transformers' ``LabelSmoother`` on the logits (the labels
         shifted for a causal language model), as transformers computes it."""
         smoother = self.label_smoother
-        if (self.compute_loss_func is not None or smoother is not None) and isinstance(inputs, dict) \
+        if (self.compute_loss_func is not None or smoother is not None) and isinstance(inputs, Mapping) \
                 and "labels" in inputs:
             inputs = dict(inputs)
             labels = inputs.pop("labels")
@@ -825,8 +825,8 @@ class Trainer:
         outputs = call_model(model, inputs, self.model)
         loss = extract_loss(outputs)
         if loss is None:
-            have = ", ".join(inputs) if isinstance(inputs, dict) else type(inputs).__name__
-            missing = [k for k in self.label_names if not (isinstance(inputs, dict) and k in inputs)]
+            have = ", ".join(inputs) if isinstance(inputs, Mapping) else type(inputs).__name__
+            missing = [k for k in self.label_names if not (isinstance(inputs, Mapping) and k in inputs)]
             raise ValueError(
                 f"the model returned no loss. The batch has {have}"
                 + (f" but no label column {', '.join(map(repr, missing))}" if missing else "")
@@ -1074,7 +1074,7 @@ class Trainer:
         ``labels``), as transformers counts ``num_items_in_batch`` (mixprec's loop does not pass it:
         the loss is the model's own mean)."""
         batches = list(itertools.islice(epoch_iterator, num_batches))
-        if not batches or not isinstance(batches[0], dict) or "labels" not in batches[0]:
+        if not batches or not isinstance(batches[0], Mapping) or "labels" not in batches[0]:
             return batches, None
         count = sum(int(b["labels"].ne(-100).sum()) for b in batches)
         if self.args.average_tokens_across_devices and self.accelerator.num_processes > 1:
@@ -1116,7 +1116,7 @@ class Trainer:
         """Forward+backward FLOPs of one batch as transformers estimates them (6 x tokens x
         non-embedding parameters) for a model that counts its parameters; 0 otherwise."""
         main = getattr(self.model, "main_input_name", "input_ids")
-        if isinstance(inputs, dict) and main in inputs and hasattr(self.model, "num_parameters"):
+        if isinstance(inputs, Mapping) and main in inputs and hasattr(self.model, "num_parameters"):
             if self._counted_params is None:  # walks every parameter (0.4 ms for GPT-2): once per train()
                 self._counted_params = self.model.num_parameters(exclude_embeddings=True)
             return 6 * inputs[main].numel() * self._counted_params
@@ -1126,7 +1126,7 @@ class Trainer:
         """This process's input tokens in ``batch`` (``include_num_input_tokens_seen``), on the
         device: all of the main input's, or the attention mask's ones for ``"non_padding"``."""
         main = getattr(self.model, "main_input_name", "input_ids")
-        if not isinstance(batch, dict) or main not in batch:
+        if not isinstance(batch, Mapping) or main not in batch:
             return 0
         if self.args.include_num_input_tokens_seen == "non_padding":
             if "attention_mask" in batch:
