@@ -196,6 +196,7 @@ class Float8Precision(MixedPrecision):
         return bool(self.float8_config().enable_fsdp_float8_all_gather)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        super().convert_module(module)  # (a CPU run's weights in fp16 beside bf16 autocast: upcast)
         choice = float8_layer_choice(module, self.config.fp8_filter)
         chosen = {name for name, why in choice.items() if why is None}
         self.layers = {name: (f"float8 ({self.recipe})" if why is None else f"bf16: {why}")

@@ -41,6 +41,32 @@ class MixedPrecision(PrecisionPlugin):
 
     accepts_loss_scaler = True
 
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Bring the weights a half-precision model was loaded with to what this precision runs,
+        in place (``.data``: the same Parameter objects, so optimizers built on them still hold
+        them); fp32 weights, and weights in autocast's own dtype, stay as they are. Lossless: fp32
+        holds every fp16 and bf16 value.
+
+        - Trainable fp16 parameters where gradients are unscaled (a loss scaler): fp32, mixed
+          precision's master weights. torch's GradScaler refuses fp16 gradients ("Attempting to
+          unscale FP16 gradients"), so a script passing them could not train; with a frozen fp16
+          base, these are the few weights peft trains beside its adapters (``modules_to_save``).
+        - On the CPU, weights in the *other* 16-bit float than autocast's (a frozen fp16 base under
+          bf16 autocast, a bf16 one under fp16): fp32. CPU autocast leaves layer norms and the
+          other non-matmul operators in their inputs' dtype, and their kernels refuse fp16 weights
+          beside bf16 or fp32 activations ("mixed dtype (CPU)"); CUDA autocast runs them in fp32.
+        """
+        other = {torch.float16, torch.bfloat16} - {self.policy.compute_dtype} if self.device.type == "cpu" else set()
+        scaled = self.scaler is not None and self.scaler.is_enabled()
+        for m in module.modules():
+            for p in m.parameters(recurse=False):
+                if p.dtype in other or (scaled and p.requires_grad and p.dtype == torch.float16):
+                    p.data = p.data.float()
+            for name, b in m.named_buffers(recurse=False):
+                if b.dtype in other:
+                    setattr(m, name, b.float())
+        return module
+
     def convert_output(self, data: Any) -> Any:
         """fp16 and bf16 tensors in what the model returns, cast to fp32 (as Accelerate's prepared
         model returns them): a loss or metric computed from them outside autocast is computed in
