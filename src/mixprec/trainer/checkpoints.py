@@ -33,6 +33,7 @@ from mixprec.checkpoint.folder import (
     verify_checkpoint,
 )
 from mixprec.checkpoint.weights import find_weights, load_model_weights, save_model_weights
+from mixprec.trainer.adapters import adapter_weight_files, is_peft_model, load_adapter_weights
 from mixprec.trainer.callbacks import log
 from mixprec.trainer.transformers_checkpoints import is_transformers_checkpoint, report_weights_load
 
@@ -147,13 +148,17 @@ def load_checkpoint_weights(model: torch.nn.Module, checkpoint: Path, device: to
     A mixprec checkpoint: the Accelerator's ``model_0.safetensors`` (else Hugging Face's files
     there), each checked against the manifest before it is read. A folder transformers' Trainer
     wrote: ``model.safetensors``, its shards with their index, or ``pytorch_model.bin``
-    (``torch.load(weights_only=True)``), unverified (no manifest; said in a log line).
+    (``torch.load(weights_only=True)``), unverified (no manifest; said in a log line). A peft
+    model's: its adapter (``adapter_model.safetensors``), as transformers reloads the best adapter.
 
     Raises:
         CheckpointError: a file that is not the one the manifest lists, or a ``.bin`` holding more than tensors.
         FileNotFoundError: no weights in ``checkpoint``.
     """
     checkpoint = Path(checkpoint)
+    if is_peft_model(model) and adapter_weight_files(checkpoint):
+        load_adapter_weights(model, checkpoint)  # (checked against the manifest where there is one)
+        return
     if (checkpoint / MANIFEST).is_file():
         reader = CheckpointReader(checkpoint)
         if "model_0.safetensors" in reader.files:

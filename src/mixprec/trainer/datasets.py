@@ -10,6 +10,7 @@ a Hugging Face ``datasets.Dataset``.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,16 +19,27 @@ from torch.utils.data import Dataset, IterableDataset
 
 from mixprec.data import collate
 from mixprec.models import original_forward
+from mixprec.trainer.adapters import model_to_inspect
 
 __all__ = ["prepare_dataset", "model_input_names", "collate"]  # collate: re-exported from mixprec.data
 
 
 def model_input_names(model: torch.nn.Module) -> tuple[list[str], bool]:
-    """The names ``model.forward`` accepts, and whether it takes ``**kwargs`` too."""
-    forward = original_forward(model)
-    params = inspect.signature(forward).parameters.values()
+    """The names ``model.forward`` accepts, and whether its ``**kwargs`` take dataset columns too.
+
+    A peft model's are the names of the model it wraps, as transformers reads them. A transformers
+    model's ``**kwargs`` are its attention and loss options, not columns: as transformers does, only
+    its named arguments are (a plain module's ``**kwargs`` take every column).
+    """
+    inspected = model_to_inspect(model)
+    params = inspect.signature(original_forward(inspected)).parameters.values()
     names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+    return names, any(p.kind is p.VAR_KEYWORD for p in params) and not _is_transformers_model(inspected)
+
+
+def _is_transformers_model(model: torch.nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # a transformers model means transformers is imported already
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 class _ColumnDataset(Dataset):

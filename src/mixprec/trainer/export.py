@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from mixprec.trainer.adapters import is_peft_model, save_adapter
 from mixprec.trainer.callbacks import log
 from mixprec.trainer.checkpoints import MAX_SHARD_SIZE
 
@@ -20,12 +21,17 @@ def save_model_files(accelerator: Any, model: torch.nn.Module, args: Any, proces
     """Save ``model``'s weights into ``out`` as transformers' Trainer does (a Hugging Face model's
     through ``save_pretrained``: its config, and ``model.safetensors`` or shards with their index
     above its ``max_shard_size``; a plain module's ``model.safetensors``; with
-    ``args.save_safetensors=False``, ``pytorch_model.bin``), the arguments (``training_args.json``,
+    ``args.save_safetensors=False``, ``pytorch_model.bin``; a peft model's adapter, as its
+    ``save_pretrained`` writes it), the arguments (``training_args.json``,
     and ``training_args.bin`` as Hugging Face writes it) and the tokenizer or processor beside
     them. Every process calls it."""
     model = accelerator.unwrap_model(model)
     safe = getattr(args, "save_safetensors", True)
-    if hasattr(model, "save_pretrained") and hasattr(model, "config") and safe:
+    if is_peft_model(model):  # the adapter alone (adapter_model.bin without safetensors), as transformers saves it
+        if accelerator.is_main_process:
+            save_adapter(model, out, safe)
+        accelerator.wait_for_everyone()
+    elif hasattr(model, "save_pretrained") and hasattr(model, "config") and safe:
         if accelerator.is_main_process:
             model.save_pretrained(str(out))
         accelerator.wait_for_everyone()

@@ -34,6 +34,7 @@ from mixprec.diagnostics.monitor import DiagnosticsConfig
 from mixprec.distributed import groups as D
 from mixprec.distributed.preemption import PREEMPTED_EXIT_CODE, Preemption
 from mixprec.models import call_model, extract_loss, original_forward
+from mixprec.trainer.adapters import checkpoint_adapters, model_to_inspect
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.callbacks import (
     CallbackHandler,
@@ -239,6 +240,7 @@ class Trainer:
         self.create_accelerator_and_postprocess()
         self.model = model
         self.model_wrapped = self.accelerator.prepare_model(model)
+        checkpoint_adapters(self.accelerator, model, lambda: self.args.save_safetensors)  # a peft model's: the adapter
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """The model ``model_init`` builds."""
@@ -1283,7 +1285,7 @@ def _is_causal_lm(model: torch.nn.Module) -> bool:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
         return False
-    return model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return model_to_inspect(model)._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
 def _activate_neftune(model: torch.nn.Module, alpha: float | None, accelerator: Any) -> Any:

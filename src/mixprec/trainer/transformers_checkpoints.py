@@ -35,6 +35,7 @@ from mixprec.checkpoint.transformers_rng import (
 )
 from mixprec.checkpoint.weights import WEIGHTS_NAMES, load_model_weights
 from mixprec.distributed import groups as D
+from mixprec.trainer.adapters import adapter_weight_files, is_peft_model, load_adapter_weights
 from mixprec.trainer.callbacks import log
 from mixprec.trainer.schedules import decay_parameter_names
 
@@ -45,10 +46,10 @@ __all__ = ["is_transformers_checkpoint", "load_transformers_checkpoint", "loss_t
 def is_transformers_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a checkpoint folder another trainer (transformers') wrote: no mixprec
     manifest, a ``trainer_state.json`` (transformers writes it last, so a save it finished) and
-    the model's weights under one of Hugging Face's names."""
+    the model's weights under one of Hugging Face's names (a peft model's adapter under peft's)."""
     path = Path(path)
     return (path.is_dir() and not (path / MANIFEST).exists() and (path / "trainer_state.json").is_file()
-            and any((path / name).is_file() for name in WEIGHTS_NAMES))
+            and (any((path / name).is_file() for name in WEIGHTS_NAMES) or bool(adapter_weight_files(path))))
 
 
 def report_weights_load(path: Path, missing: list[str], unexpected: list[str]) -> None:
@@ -78,7 +79,10 @@ def load_transformers_checkpoint(path: Path, *, accelerator: Any, model: torch.n
                 path, MANIFEST)
     device = accelerator.device
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
-    report_weights_load(path, *load_model_weights(inner, path, device=device))
+    if is_peft_model(inner) and adapter_weight_files(path):  # a peft model's checkpoint holds its adapter
+        load_adapter_weights(inner, path)
+    else:
+        report_weights_load(path, *load_model_weights(inner, path, device=device))
     if (path / "optimizer.pt").is_file() and (path / "scheduler.pt").is_file():
         saved = load_tensor_file(path / "optimizer.pt", map_location=device)
         schedule = load_tensor_file(path / "scheduler.pt")
