@@ -4,6 +4,7 @@ check ``isinstance(trainer.lr_scheduler, ReduceLROnPlateau)`` or ``GreedyLR``.""
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import pytest
@@ -60,5 +61,7 @@ def test_a_prepared_optimizer_and_scheduler_are_instances_of_the_users_classes_a
     assert {"step_was_skipped", "param_groups", "train", "eval"} <= set(dir(opt))
     assert {"base_lrs", "last_epoch", "get_last_lr", "step_with_optimizer"} <= set(dir(sched))
     assert type(pickle.loads(pickle.dumps(opt.state_dict()))) is dict
+    assert type(copy.copy(opt)) is AcceleratedOptimizer and type(copy.copy(sched)) is AcceleratedScheduler
+    assert copy.copy(sched).scheduler is scheduler
     sched.step()
     assert sched.get_last_lr() == scheduler.get_last_lr()

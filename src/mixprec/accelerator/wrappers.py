@@ -139,6 +139,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def __dir__(self) -> list[str]:
         return _names(self, self.__dict__.get("optimizer"))
 
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        return _reduce(self)
+
     @property  # type: ignore[misc]
     def __class__(self) -> type:
         """The wrapped optimizer's class, so that ``isinstance(prepared, type(user_optimizer))``
@@ -244,6 +247,12 @@ def _names(wrapper: Any, inner: Any) -> list[str]:
     return sorted(set(dir(type(wrapper))) | set(wrapper.__dict__) | (set(dir(inner)) if inner is not None else set()))
 
 
+def _reduce(wrapper: Any) -> tuple:
+    """How a wrapper pickles and copies: as its own type (pickle's default reads ``__class__``,
+    which names the wrapped object's class), with its attributes."""
+    return object.__new__, (type(wrapper),), dict(wrapper.__dict__)
+
+
 def _class_of(wrapper: Any, attribute: str) -> type:
     """What a wrapper's ``__class__`` answers: the class of the object it wraps, once set (before
     that, while it is made, copied or unpickled, its own)."""
@@ -310,6 +319,9 @@ class AcceleratedScheduler:
 
     def __dir__(self) -> list[str]:
         return _names(self, self.__dict__.get("scheduler"))
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        return _reduce(self)
 
     def print_lr(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped scheduler's ``print_lr`` (Accelerate's wrapper has the name too)."""
