@@ -22,6 +22,7 @@ import torch
 from mixprec.distributed.fsdp import FullyShardedDataParallelPlugin
 from mixprec.hardware import default_device
 from mixprec.precision import PrecisionConfig, canonical_precision
+from mixprec.trainer.logs import get_verbosity
 from mixprec.trainer.schedules import METRIC_DRIVEN, SCHEDULER_TYPES, optimizer_names
 
 __all__ = ["ParallelMode", "TrainingArguments"]
@@ -122,15 +123,6 @@ def _parallel_modes() -> type[enum.Enum]:
     except ImportError:
         return ParallelMode
     return theirs
-
-
-def _verbosity() -> int:
-    """The level transformers' loggers filter at now (the ``mixprec`` logger's without transformers)."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return logging.getLogger("mixprec").getEffectiveLevel()
-    return hf_logging.get_verbosity()
 
 
 def _truth(value: Any) -> bool:
@@ -424,7 +416,7 @@ class TrainingArguments:
                      "hub_strategy", "train_sampling_strategy"):
             setattr(self, name, _plain(getattr(self, name)))
         if self.disable_tqdm is None:  # transformers' default: progress bars unless its logs are quieter than warnings
-            self.disable_tqdm = _verbosity() > logging.WARNING
+            self.disable_tqdm = get_verbosity() > logging.WARNING
         if self.eval_delay is None:  # what transformers' set_evaluate() leaves by default: no delay
             self.eval_delay = 0
         if self.eval_strategy != "no":  # as in Hugging Face: evaluating means do_eval
@@ -449,7 +441,7 @@ class TrainingArguments:
         if self.save_strategy == "best" and self.eval_strategy == "no":
             raise ValueError("save_strategy='best' saves when an evaluation finds a new best metric_for_best_model: "
                              "set eval_strategy to 'steps' or 'epoch'")
-        _one_of("optim", self.optim, optimizer_names())
+        _one_of("optim", self.optim, optimizer_names(self.optim))
         _one_of("train_sampling_strategy", self.train_sampling_strategy, _SAMPLING)
         _one_of("on_loss_scale_collapse", self.on_loss_scale_collapse, ("raise", "fallback"))
         _one_of("on_save_error", self.on_save_error, ("raise", "warn"))
@@ -678,7 +670,7 @@ class TrainingArguments:
         ``log_level_replica`` elsewhere; ``"passive"`` is transformers' verbosity as it is (the
         ``mixprec`` logger's level without transformers)."""
         level = _LOG_LEVELS[self.log_level if self.should_log else self.log_level_replica]
-        return _verbosity() if level == -1 else level
+        return get_verbosity() if level == -1 else level
 
     @property
     def parallel_mode(self) -> enum.Enum:
@@ -970,7 +962,7 @@ class TrainingArguments:
         Raises:
             ValueError: an optimizer name transformers does not know (the message lists them).
         """
-        _one_of("optim", _plain(name), optimizer_names())
+        _one_of("optim", _plain(name), optimizer_names(_plain(name)))
         self.optim, self.learning_rate, self.weight_decay = _plain(name), learning_rate, weight_decay
         self.adam_beta1, self.adam_beta2, self.adam_epsilon, self.optim_args = beta1, beta2, epsilon, args
         return self

@@ -71,9 +71,13 @@ def get_scheduler(name: str, optimizer: torch.optim.Optimizer, num_warmup_steps:
                                       scheduler_specific_kwargs=dict(scheduler_specific_kwargs or {}))
 
 
-def optimizer_names() -> tuple[str, ...]:
+def optimizer_names(name: str | None = None) -> tuple[str, ...]:
     """The ``optim`` names taken: Hugging Face's (``transformers.training_args.OptimizerNames``) when
-    transformers is installed, else the three mixprec builds by itself."""
+    transformers is installed, else the three mixprec builds by itself. Given ``name``, one of
+    those three: they alone (transformers is not imported to check a name mixprec knows: its
+    import takes seconds and loads peft and torchao)."""
+    if name in _OWN_OPTIMIZERS:
+        return _OWN_OPTIMIZERS
     try:
         from transformers.training_args import OptimizerNames
     except ImportError:
