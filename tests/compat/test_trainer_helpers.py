@@ -91,7 +91,10 @@ def test_the_last_seven_names_of_transformers_trainer_behave_as_documented(tmp_p
         loss_is_scaled_for_ga = True
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            return super().compute_loss(model, inputs) / self.args.gradient_accumulation_steps
+            # (evaluation asks for the outputs too, as transformers' prediction_step does)
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
+            loss = loss / self.args.gradient_accumulation_steps
+            return (loss, outputs) if return_outputs else loss
 
     plain = make(mixprec)
     plain.train()

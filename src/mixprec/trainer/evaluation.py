@@ -65,17 +65,27 @@ class Evaluated(Protocol):
     def prediction_step(self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]: ...
 
+    def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False) -> Any: ...
+
 
 def predict_batch(trainer: Evaluated, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
                   ignore_keys: list[str] | None) -> tuple[Any, Any, Any]:
-    """``(loss, logits, labels)`` of one batch, without gradients (``Trainer.prediction_step``'s work)."""
+    """``(loss, logits, labels)`` of one batch, without gradients (``Trainer.prediction_step``'s work).
+
+    A batch with its labels is scored by ``trainer.compute_loss``, as transformers scores it (a
+    subclass's loss, ``compute_loss_func`` and label smoothing count in evaluation too); any other
+    batch by the loss the model returns, if it returns one."""
+    labels = _labels(inputs, trainer.label_names)
     with torch.no_grad():
-        outputs = call_model(model, inputs, trainer.model)
-    loss = extract_loss(outputs)
-    loss = loss.detach() if loss is not None else None
+        if labels is not None:
+            loss, outputs = trainer.compute_loss(model, inputs, return_outputs=True)
+        else:
+            outputs = call_model(model, inputs, trainer.model)
+            loss = extract_loss(outputs)
+    loss = loss.detach().mean() if loss is not None else None
     if prediction_loss_only:
         return loss, None, None
-    return loss, extract_logits(outputs, ignore_keys or []), _labels(inputs, trainer.label_names)
+    return loss, extract_logits(outputs, ignore_keys or []), labels
 
 
 def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, prefix: str, *,
@@ -109,7 +119,7 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
         return acc.gather_for_metrics(x, use_gather_object=gather_objects)
 
     batch_result: dict[str, float] | None = None
-    start, n = time.time(), 0
+    start, n, batches = time.time(), 0, 0
     for inputs, last in _with_last(dl):
         loss, logits, label = trainer.prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         bs = _batch_size(inputs)
@@ -129,6 +139,7 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
             if label is not None:
                 labels.append(_cpu(label))
         n += bs
+        batches += 1
         if on_step is not None:
             on_step()
     model.train(was_training)
@@ -147,7 +158,10 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
         metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = float(v)
     runtime = time.time() - start
     metrics.update({f"{prefix}_runtime": round(runtime, 4),
-                    f"{prefix}_samples_per_second": round(n * acc.num_processes / max(runtime, 1e-9), 3)})
+                    f"{prefix}_samples_per_second": round(n * acc.num_processes / max(runtime, 1e-9), 3),
+                    f"{prefix}_steps_per_second": round(batches / max(runtime, 1e-9), 3)})
+    if getattr(trainer, "model_preparation_time", None) is not None:  # transformers reports it with each evaluation
+        metrics[f"{prefix}_model_preparation_time"] = trainer.model_preparation_time
     n_gathered = sum(len(x) for x in losses) if losses else n * acc.num_processes
     return EvalLoopOutput(predictions, label_ids, metrics, n_gathered)
 

@@ -113,7 +113,6 @@ class Seq2SeqTrainer(Trainer):
                          optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         self._gen_kwargs: dict[str, Any] = {}
-        self._loss_only = False  # set by evaluate() when there are no metrics to generate for
         # args.generation_config, if given, wins over the model's own (transformers' order).
         if self.args.generation_config is not None:
             self.model.generation_config = self.load_generation_config(self.args.generation_config)
@@ -170,11 +169,7 @@ class Seq2SeqTrainer(Trainer):
             >>> trainer.evaluate(max_new_tokens=64, num_beams=4)["eval_loss"]  # doctest: +SKIP
         """
         self._gen_kwargs = self._with_defaults(gen_kwargs)
-        self._loss_only = self.compute_metrics is None
-        try:
-            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-        finally:
-            self._loss_only = False
+        return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test",
                 **gen_kwargs: Any) -> PredictionOutput:
@@ -202,9 +197,9 @@ class Seq2SeqTrainer(Trainer):
         forward's on the batch, label-smoothed with ``label_smoothing_factor`` (transformers' loss
         for this step).
         """
-        loss_only = prediction_loss_only or self._loss_only
-        if not self.args.predict_with_generate or loss_only:
-            return super().prediction_step(model, inputs, prediction_loss_only=loss_only, ignore_keys=ignore_keys)
+        if not self.args.predict_with_generate or prediction_loss_only:
+            return super().prediction_step(model, inputs, prediction_loss_only=prediction_loss_only,
+                                           ignore_keys=ignore_keys)
         if not callable(getattr(self.model, "generate", None)):
             raise TypeError(f"predict_with_generate calls the model's generate(), which {type(self.model).__name__} "
                             "lacks: use a transformers generative model, or set predict_with_generate=False")
@@ -221,7 +216,7 @@ class Seq2SeqTrainer(Trainer):
             generation_inputs = {k: v for k, v in inputs.items() if k not in ("decoder_input_ids", "decoder_attention_mask")}
         # The Trainer's evaluation precision (fp16/bf16_full_eval autocast); the forward runs in
         # the training precision within it, as the prepared model's does.
-        with self._eval_autocast(), torch.no_grad():
+        with self.evaluation_precision_context(), torch.no_grad():
             generated = self.model.generate(**generation_inputs, **gen_kwargs)
             outputs = call_model(model, inputs, self.model) if has_labels else None
         config = self.model.generation_config

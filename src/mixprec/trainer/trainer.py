@@ -239,7 +239,9 @@ class Trainer:
         """A fresh Accelerator from ``args``, with ``model`` prepared on it."""
         self.create_accelerator_and_postprocess()
         self.model = model
+        start = time.time()
         self.model_wrapped = self.accelerator.prepare_model(model)
+        self._preparation_seconds = round(time.time() - start, 4)  # see _run_evaluation
         checkpoint_adapters(self.accelerator, model, lambda: self.args.save_safetensors)  # a peft model's: the adapter
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
@@ -922,13 +924,14 @@ class Trainer:
     def log(self, logs: dict[str, Any], start_time: float | None = None) -> None:
         """Record ``logs`` in ``state.log_history`` (with ``epoch`` and ``step``), append them to
         ``metrics.jsonl`` (``report_to="jsonl"``) and hand them to the callbacks (``on_log``)."""
-        epoch = round(self.state.epoch, 4)
+        # In place, as transformers' log: the metrics evaluate() returns carry the epoch too.
+        logs["epoch"] = round(self.state.epoch, 4)
         if self.args.include_num_input_tokens_seen != "no":  # as counted at the last training log
-            logs = {**logs, "num_input_tokens_seen": self.state.num_input_tokens_seen}
-        self.state.log_history.append({**logs, "epoch": epoch, "step": self.state.global_step})
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+        self.state.log_history.append({**logs, "step": self.state.global_step})
         if self._jsonl is not None:
-            self._jsonl.on_log(self.args, self.state, self.control, logs=dict(logs, epoch=epoch))
-        self._event("on_log", logs=dict(logs, epoch=epoch))
+            self._jsonl.on_log(self.args, self.state, self.control, logs=dict(logs))
+        self._event("on_log", logs=dict(logs))
 
     def _metric_key(self) -> str:
         name = self.args.metric_for_best_model
@@ -1028,9 +1031,11 @@ class Trainer:
                 metrics.update(self.evaluate(part if override else name, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         self._memory_tracker.start("eval")
-        out = self._run_evaluation(self.get_eval_dataloader(ds), ignore_keys, metric_key_prefix,
-                                   description="Evaluation")
-        self.log(out.metrics)
+        # Without compute_metrics only the loss is computed, as in transformers.
+        out = self.evaluation_loop(self.get_eval_dataloader(ds), description="Evaluation",
+                                   prediction_loss_only=True if self.compute_metrics is None else None,
+                                   ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        self.log(out.metrics)  # (which adds the epoch to them, as transformers' log does)
         self._event("on_evaluate", metrics=out.metrics)
         self._memory_tracker.stop("eval", out.metrics)  # returned, not logged (as transformers)
         return out.metrics
@@ -1181,14 +1186,19 @@ class Trainer:
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (numpy), labels (where present) and metrics on ``test_dataset``."""
         self._memory_tracker.start("test")
-        out = self._run_evaluation(self.get_test_dataloader(test_dataset), ignore_keys, metric_key_prefix,
-                                   description="Prediction")
+        out = self.evaluation_loop(self.get_test_dataloader(test_dataset), description="Prediction",
+                                   ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         self._event("on_predict", metrics=out.metrics)
         self._memory_tracker.stop("test", out.metrics)
         return PredictionOutput(out.predictions, out.label_ids, out.metrics)
 
     def _run_evaluation(self, dl: Any, ignore_keys: list[str] | None, prefix: str,
                         prediction_loss_only: bool | None = None, description: str = "Evaluation") -> EvalLoopOutput:
+        if not self.is_in_train and self.state.global_step == 0 and not hasattr(self, "model_preparation_time"):
+            # transformers prepares the model in the first evaluation made before training, and
+            # reports the seconds it took (``eval_model_preparation_time``) from then on; mixprec
+            # prepared it when the Trainer was made, and reports those seconds where it would.
+            self.model_preparation_time = self._preparation_seconds
         hf_log = trainer_logger()  # transformers' header lines, at INFO
         hf_log.info(f"\n***** Running {description} *****")
         hf_log.info(f"  Num examples = {self.num_examples(dl)}" if _length(dl) is not None else "  Num examples: Unknown")
@@ -1208,12 +1218,14 @@ class Trainer:
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
         """``(loss, logits, labels)`` of one evaluation batch, without gradients (override to change
         what evaluation computes; ``logits`` is everything the model returned but the loss)."""
-        with self._eval_autocast():
+        with self.evaluation_precision_context():
             return predict_batch(self, model, inputs, prediction_loss_only, ignore_keys)
 
-    def _eval_autocast(self) -> Any:
-        # fp16_full_eval / bf16_full_eval: evaluation computes in that dtype. mixprec autocasts
-        # instead of casting the weights (Hugging Face's .half()), so training can go on after it.
+    def evaluation_precision_context(self) -> contextlib.AbstractContextManager:
+        """The context :meth:`prediction_step` computes in: ``fp16_full_eval`` / ``bf16_full_eval``
+        autocast to that dtype (mixprec autocasts instead of casting the weights, as transformers'
+        ``.half()`` does, so training can go on after an evaluation); else none (the prepared
+        model's forward runs in the training precision)."""
         if self.args.fp16_full_eval or self.args.bf16_full_eval:
             dtype = torch.float16 if self.args.fp16_full_eval else torch.bfloat16
             return torch.autocast(self.accelerator.device.type, dtype=dtype)

@@ -1,0 +1,97 @@
+"""evaluate() and predict() as transformers': through evaluation_loop (an override of it is
+used), the loss from compute_loss (an override's and label smoothing count), the same metric
+names (steps per second, the model's preparation time, the epoch) before and after training."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+import mixprec
+
+from toys import SineRegressor, SineRows
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _args(lib, tmp_path, **more):
+    return lib.TrainingArguments(output_dir=str(tmp_path / lib.__name__), report_to="none", use_cpu=True,
+                                 max_steps=2, save_strategy="no", disable_tqdm=True, seed=3, **more)
+
+
+def test_the_metrics_evaluate_and_predict_return_have_transformers_names(tmp_path):
+    names = {}
+    for lib in (transformers, mixprec):
+        trainer = lib.Trainer(model=SineRegressor(), args=_args(lib, tmp_path), train_dataset=SineRows(),
+                              eval_dataset=SineRows())
+        before = trainer.evaluate()
+        trainer.train()
+        names[lib.__name__] = (sorted(before), sorted(trainer.evaluate()), sorted(trainer.predict(SineRows()).metrics))
+    assert names["mixprec"] == names["transformers"]
+    assert "eval_steps_per_second" in names["mixprec"][0] and "epoch" in names["mixprec"][1]
+
+
+def test_a_trainer_trained_before_its_first_evaluation_reports_no_preparation_time(tmp_path):
+    names = {}
+    for lib in (transformers, mixprec):
+        trainer = lib.Trainer(model=SineRegressor(), args=_args(lib, tmp_path), train_dataset=SineRows(),
+                              eval_dataset=SineRows())
+        trainer.train()
+        names[lib.__name__] = sorted(trainer.evaluate())
+    assert names["mixprec"] == names["transformers"] and "eval_model_preparation_time" not in names["mixprec"]
+
+
+@pytest.mark.parametrize("lib", [transformers, mixprec], ids=["transformers", "mixprec"])
+def test_evaluation_scores_with_an_overridden_compute_loss_and_goes_through_evaluation_loop(lib, tmp_path):
+    seen = []
+
+    class Doubled(lib.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
+            return (2 * loss, outputs) if return_outputs else 2 * loss
+
+        def evaluation_loop(self, dataloader, description, *args, **kwargs):
+            seen.append(description)
+            return super().evaluation_loop(dataloader, description, *args, **kwargs)
+
+    plain = lib.Trainer(model=SineRegressor(), args=_args(lib, tmp_path), eval_dataset=SineRows())
+    doubled = Doubled(model=SineRegressor(), args=_args(lib, tmp_path), eval_dataset=SineRows())
+    doubled.model.load_state_dict(plain.model.state_dict())
+    assert math.isclose(doubled.evaluate()["eval_loss"], 2 * plain.evaluate()["eval_loss"], rel_tol=1e-6)
+    doubled.predict(SineRows())
+    assert seen == ["Evaluation", "Prediction"]
+
+
+class _Classifier(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(4, 3)
+        self.config = types.SimpleNamespace(problem_type="single_label_classification")  # transformers reads it
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        if labels is None:  # (label smoothing: the Trainer takes the labels and computes the loss)
+            return {"logits": logits}
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_the_eval_loss_is_label_smoothed_as_transformers_smooths_it(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    rows = [{"x": torch.randn(4, generator=g), "labels": int(torch.randint(0, 3, (1,), generator=g))} for _ in range(24)]
+    losses = {lib.__name__: lib.Trainer(model=_Classifier(), args=_args(lib, tmp_path, label_smoothing_factor=0.2),
+                                        eval_dataset=rows).evaluate()["eval_loss"] for lib in (transformers, mixprec)}
+    unsmoothed = mixprec.Trainer(model=_Classifier(), args=_args(mixprec, tmp_path), eval_dataset=rows).evaluate()
+    assert math.isclose(losses["mixprec"], losses["transformers"], rel_tol=1e-6)
+    assert not math.isclose(losses["mixprec"], unsmoothed["eval_loss"], rel_tol=1e-3)
