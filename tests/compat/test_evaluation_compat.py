@@ -5,6 +5,7 @@ names (steps per second, the model's preparation time, the epoch) before and aft
 from __future__ import annotations
 
 import math
+import time
 import types
 
 import pytest
@@ -95,3 +96,38 @@ def test_the_eval_loss_is_label_smoothed_as_transformers_smooths_it(tmp_path):
     unsmoothed = mixprec.Trainer(model=_Classifier(), args=_args(mixprec, tmp_path), eval_dataset=rows).evaluate()
     assert math.isclose(losses["mixprec"], losses["transformers"], rel_tol=1e-6)
     assert not math.isclose(losses["mixprec"], unsmoothed["eval_loss"], rel_tol=1e-3)
+
+
+@pytest.mark.parametrize("lib", [transformers, mixprec], ids=["transformers", "mixprec"])
+def test_a_trainer_subclass_that_runs_its_own_evaluation_as_transformers_question_answering_example(lib, tmp_path):
+    """The shape of transformers' ``examples/pytorch/question-answering/trainer_qa.py``: the
+    loop run by hand, metrics computed after it, the callbacks told positionally."""
+    from transformers.trainer_utils import speed_metrics
+
+    seen = []
+
+    class Recorder(lib.TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            seen.append(sorted(metrics))
+
+    class PostProcessed(lib.Trainer):
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+            dataloader = self.get_eval_dataloader(eval_dataset)
+            compute_metrics, self.compute_metrics = self.compute_metrics, None
+            start = time.time()
+            try:
+                output = self.evaluation_loop(dataloader, description="Evaluation", prediction_loss_only=None,
+                                              ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            finally:
+                self.compute_metrics = compute_metrics
+            output.metrics.update(speed_metrics(metric_key_prefix, start, num_samples=output.num_samples))
+            metrics = {**self.compute_metrics(output.predictions), **output.metrics}
+            self.log(metrics)
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+            return metrics
+
+    trainer = PostProcessed(model=SineRegressor(), args=_args(lib, tmp_path), eval_dataset=SineRows(),
+                            compute_metrics=lambda predictions: {"eval_mean": float(predictions.mean())},
+                            callbacks=[Recorder()])
+    metrics = trainer.evaluate()
+    assert {"eval_mean", "eval_loss", "eval_samples_per_second"} <= set(metrics) and seen == [sorted(metrics)]

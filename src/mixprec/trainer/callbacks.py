@@ -4,6 +4,7 @@ with Hugging Face's event names, arguments and control-flag rules."""
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 from typing import Any
@@ -146,9 +147,29 @@ def restore_states(callbacks: list[Any], control: TrainerControl, saved: dict[st
     return control
 
 
+#: The events whose handler method takes one more argument by position, as transformers' do
+#: (``callback_handler.on_evaluate(args, state, control, metrics)``).
+_POSITIONAL = {"on_evaluate": "metrics", "on_predict": "metrics", "on_log": "logs"}
+
+
 def _handler_method(event: str) -> Any:
-    def method(self: CallbackHandler, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:
-        return self.call(event, args, state, control, **kwargs)
+    extra = _POSITIONAL.get(event)
+    if extra is not None:
+        def method(self: CallbackHandler, args: Any, state: Any, control: TrainerControl, *value: Any,
+                   **kwargs: Any) -> TrainerControl:
+            if len(value) > 1:
+                raise TypeError(f"{event}() takes args, state, control and {extra}; got {3 + len(value)} positional "
+                                "arguments")
+            return self.call(event, args, state, control, **dict(zip([extra], value)), **kwargs)
+
+        method.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+            *(inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("self", "args", "state", "control")),
+            inspect.Parameter(extra, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+            inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+    else:
+        def method(self: CallbackHandler, args: Any, state: Any, control: TrainerControl,
+                   **kwargs: Any) -> TrainerControl:
+            return self.call(event, args, state, control, **kwargs)
 
     method.__name__ = event
     method.__doc__ = f"Run ``{event}`` on every callback."
