@@ -1,4 +1,5 @@
-"""``mixprec demo`` runs to the end and leaves a complete run folder."""
+"""``mixprec demo`` runs to the end and leaves a complete run folder, on a time budget or a
+step budget, and teaches loss scaling where no 16-bit format is native."""
 
 from __future__ import annotations
 
@@ -17,35 +18,56 @@ def _png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+SMALL = ["--size", "tiny", "--train-bytes", "200000", "--eval-bytes", "8000"]
+
+
 @pytest.mark.slow
-def test_demo_trains_both_runs_writes_the_run_folder_and_logs_a_few_progress_lines(tmp_path, capfd):
+def test_demo_on_a_step_budget_trains_both_runs_writes_the_run_folder_and_a_few_progress_lines(tmp_path, capfd):
     out = tmp_path / "demo"
-    rc = main(["demo", "--size", "tiny", "--steps", "12", "--fp32-steps", "8", "--train-bytes", "200000",
-               "--eval-bytes", "8000", "--out", str(out)])
-    assert rc == 0
+    assert main(["demo", *SMALL, "--steps", "12", "--fp32-steps", "8", "--out", str(out)]) == 0
     captured = capfd.readouterr()  # both runs' processes write to these file descriptors: not a terminal
     assert "fp32" in captured.out and "tokens/s" in captured.out and "run folder" in captured.out
-    bar = [line for line in captured.err.splitlines() if line.startswith("train")]
-    # Each run's first and last line, and one every 5 s between: fewer lines than the 8 + 12 steps.
-    assert "\r" not in captured.err and 4 <= len(bar) < 8 + 12, bar
+    progress = [line for line in captured.err.splitlines() if line.startswith(("fp32:", "bf16-mixed:"))]
+    # Each run's first and last step, and one every 10 s between: fewer lines than the 8 + 12 steps.
+    assert "\r" not in captured.err and 4 <= len(progress) < 8 + 12, progress
+    assert progress[1].startswith("fp32:") and " 8 steps" in progress[1]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["fp32"]["steps"] == 8 and summary["mixed"]["steps"] == 12
     assert summary["mixed"]["peak_memory_mb"] > 0 and summary["mixed"]["tokens_per_second"] > 0
     assert summary["fp32"]["training_seconds"] > 0 and summary["mixed"]["training_seconds"] > 0
-    width, height = _png_size(out / "loss_curve.png")
-    assert (width, height) == (14 * 110, round(4.5 * 110))  # two panels: loss against steps and against seconds
+    assert _png_size(out / "demo.png") == (13 * 110, round(4.5 * 110))  # loss against seconds, and throughput
     assert (out / "sample.txt").read_text().startswith("def ")
     assert list(out.glob("checkpoint-12")) and (out / "metrics.jsonl").exists()
     assert (out / "fp32" / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
-def test_demo_with_fp16_writes_the_loss_scale_plot(tmp_path, capsys):
-    out = tmp_path / "demo16"
-    rc = main(["demo", "--size", "tiny", "--precision", "fp16", "--steps", "8", "--fp32-steps", "4",
-               "--train-bytes", "100000", "--eval-bytes", "4000", "--no-progress", "--out", str(out)])
-    assert rc == 0
-    assert (out / "loss_scale.png").exists()
+def test_demo_on_a_time_budget_gives_each_run_the_same_seconds(tmp_path, capsys):
+    out = tmp_path / "timed"
+    assert main(["demo", *SMALL, "--seconds", "6", "--no-progress", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for run in summary.values():
+        # Stopped by its clock once 3 s of training were spent: within one step of them.
+        assert 3.0 <= run["training_seconds"] <= 3.0 + 4 * run["median_step_seconds"] + 0.5, run
+        assert run["steps"] >= 2 and list(out.glob("checkpoint-*"))
+    assert f"checkpoint-{summary['mixed']['steps']}" in summary["mixed"]["checkpoint"]
+
+
+@pytest.mark.slow
+def test_where_no_16_bit_format_is_native_the_demo_runs_fp16_and_shows_the_loss_scalers_work(tmp_path, capsys,
+                                                                                            monkeypatch):
+    import mixprec.precision.names as names
+
+    # auto's choice on a CPU without AVX512-BF16 or AMX (a hosted CI runner's), whatever this one has
+    monkeypatch.setattr(names, "choose_auto", lambda cap: ("fp32", "no 16-bit format is native on cpu: (a test)"))
+    out = tmp_path / "lesson"
+    assert main(["demo", *SMALL, "--steps", "8", "--fp32-steps", "4", "--no-progress", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "auto would pick fp32 here" in printed and "fp16-mixed runs instead" in printed
+    assert "loss scale: 65536 after the first step" in printed and "steps skipped for inf/NaN" in printed
+    assert "would have flushed to zero in fp16" in printed and "val loss:" in printed
+    assert json.loads((out / "summary.json").read_text())["mixed"]["precision"] == "fp16-mixed"
+    assert _png_size(out / "demo.png") == (13 * 110, round(4.5 * 110))  # loss, and the loss scale over steps
 
 
 def test_demo_rejects_a_bad_precision_on_stderr(capsys):
@@ -54,7 +76,9 @@ def test_demo_rejects_a_bad_precision_on_stderr(capsys):
     assert "mixprec demo: error:" in captured.err and "Valid names" in captured.err and not captured.out
 
 
-def test_demo_rejects_too_few_steps_on_stderr(capsys):
+def test_demo_rejects_too_few_steps_or_seconds_on_stderr(capsys):
     assert main(["demo", "--steps", "2"]) == 2
     captured = capsys.readouterr()
     assert captured.err == "mixprec demo: error: --steps must be at least 4\n" and not captured.out
+    assert main(["demo", "--seconds", "1"]) == 2
+    assert capsys.readouterr().err == "mixprec demo: error: --seconds must be at least 4\n"

@@ -17,7 +17,7 @@ from typing import Any
 
 from mixprec.diagnostics.limits import FORMAT_LIMITS
 
-__all__ = ["plot_loss_curves", "plot_loss_scale", "plot_gradient_histogram", "plot_layer_underflow", "plot_bench_result",
+__all__ = ["plot_demo", "plot_loss_curves", "plot_loss_scale", "plot_gradient_histogram", "plot_layer_underflow", "plot_bench_result",
            "plot_float8_errors", "plot_float8_histogram"]
 
 
@@ -124,6 +124,54 @@ def plot_loss_scale(history: Sequence[tuple[int, float, bool]], path: str | Path
             ax.plot([], [], " ", label="no step skipped")
     ax.set_yscale("log", base=2)
     return _save(fig, ax, path, title=title, xlabel="optimizer step", ylabel="loss scale (log2)", grid={"which": "both"})
+
+
+def plot_demo(reference: Mapping[str, Any], mixed: Mapping[str, Any], path: str | Path, *, title: str) -> Path:
+    """``mixprec demo``'s one figure: on the left both runs' loss against seconds of training (the
+    same seconds each: who learned more in them); on the right, where the mixed run had a loss
+    scaler, its scale over the steps with the skipped steps marked and the underflow it prevented,
+    else each run's throughput.
+
+    Args:
+        reference, mixed: :func:`mixprec.apps.demo.train_run`'s results (``precision``, ``train``,
+            ``eval``, ``seconds``, ``tokens_per_second``, ``scale_history``, ``flush``).
+        path: the PNG to write.
+        title: the left panel's title.
+    """
+    fig, (left, right) = _figure((13, 4.5), panels=2)
+    runs = {r["precision"]: r for r in (reference, mixed)}
+    _draw_losses(left, {n: r["train"] for n, r in runs.items()}, {n: r["eval"] for n, r in runs.items()},
+                 {n: r["seconds"] for n, r in runs.items()})
+    _label(left, title=title, ylabel="loss (nats per byte; lower is better)",
+           xlabel="seconds of training (evaluations and checkpoints left out)")
+    history = mixed.get("scale_history")
+    if history:
+        steps, scales, _ = zip(*history)
+        right.step(steps, scales, where="post", label="loss scale", linewidth=1.4)
+        bad = [(st, v) for st, v, k in history if k]
+        if bad:
+            right.scatter(*zip(*bad), color="red", zorder=3, s=18,
+                          label=f"skipped step (inf/NaN gradients): {len(bad)}")
+        if mixed.get("flush"):
+            worst = max(mixed["flush"], key=lambda r: r[1])
+            right.plot([], [], " ", label=f"without it, {worst[1]:.1%} of layer {worst[3]}'s\n"
+                                          "gradient values would flush to 0 in fp16")
+        right.set_yscale("log", base=2)
+        _label(right, title="fp16's loss scale: the gradients are multiplied by it before backward",
+               xlabel="optimizer step", ylabel="loss scale (log2)", grid={"which": "both"})
+    else:
+        names = list(runs)
+        speeds = [runs[n]["tokens_per_second"] for n in names]
+        bars = right.bar(names, speeds, color=["tab:blue", "tab:orange"][: len(names)])
+        for bar, speed in zip(bars, speeds):
+            right.annotate(f"{speed / speeds[0]:.2f}x", (bar.get_x() + bar.get_width() / 2, speed), ha="center",
+                           va="bottom")
+        right.bar([], [], label="speed-up over fp32 written on each bar")
+        _label(right, title="throughput", xlabel="precision", ylabel="tokens per second (higher is better)")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    return path
 
 
 def _total_hist(probe: dict[str, Any], which: str) -> tuple[list[int], int, int]:

@@ -1,7 +1,8 @@
 """``mixprec demo``: what mixed precision does for training here, in about three minutes.
 
-Trains the built-in ``pycode`` GPT with the precision ``auto`` picks, beside a short fp32
-reference run on the same data, then prints a summary and writes a run folder.
+Trains the built-in ``pycode`` GPT in mixed precision beside fp32, for the same seconds on the
+same data, then prints a summary and writes a run folder. Where ``auto`` finds no native 16-bit
+format, the mixed run is fp16-mixed, so the loss scaler's work is shown on every machine.
 """
 
 from __future__ import annotations
@@ -15,31 +16,47 @@ from typing import Any
 
 import torch
 
-from mixprec.apps.demo import demo_task, train_in_fresh_process
+from mixprec.apps.demo import EVAL_BLOCKS, demo_task, train_in_fresh_process
 from mixprec.tasks import TASKS
 
 EXAMPLES = """Examples:
-  mixprec demo                              # ~3 minutes on 2 CPU cores
-  mixprec demo --size tiny --steps 40       # a quick look
+  mixprec demo                              # ~2.5 minutes of training, whatever the machine
+  mixprec demo --seconds 40                 # a quick look
   mixprec demo --precision fp16 --out runs/fp16-demo
 """
+
+#: The generated sample: a prompt every Python file has plenty of, at a temperature low enough that
+#: a few minutes' model writes recognisable Python (at 1.0 it samples its uncertainty: noise).
+SAMPLE_PROMPT = "def "
+SAMPLE_TEMPERATURE = 0.5
+
+#: What an NVIDIA H200 gives: fp16-mixed against fp32 on pycode ``small`` (benchmarks/RESULTS.md,
+#: "The first GPU figures": batch 64 x 256 tokens, 13.9 ms against 62.5 ms a step).
+GPU_FIGURE = "on an NVIDIA H200, fp16-mixed trained pycode/small 4.4x as fast as fp32 (benchmarks/RESULTS.md)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train a small GPT in mixed precision beside fp32 and show what it changes",
                        description="Train the built-in pycode GPT (the Python standard library's source, byte by "
-                       "byte) with the precision 'auto' picks, beside a short fp32 run on the same data; print "
-                       "throughput, peak memory and validation loss for each; write a run folder with the "
-                       "checkpoint, metrics.jsonl, plots and a generated sample.",
+                       "byte) in mixed precision and in fp32, for the same number of seconds on the same data; "
+                       "print throughput, peak memory and validation loss for each, and what the loss scaler did "
+                       "where fp16 runs; write a run folder with the checkpoint, metrics.jsonl, a plot and a "
+                       "generated sample. Where no 16-bit format is native (auto would pick fp32), the mixed run "
+                       "is fp16-mixed: real fp16 with the loss scaler, the numerics mixed precision is about.",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default=TASKS["pycode"].defaults["size"], choices=TASKS["pycode"].variants,
                    help="model size (default: %(default)s)")
-    p.add_argument("--precision", default="auto", help="the mixed run's precision (default: auto)")
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps of the mixed run (default: 600)")
-    p.add_argument("--fp32-steps", type=int, default=None, help="steps of the fp32 reference (default: steps / 3)")
+    p.add_argument("--precision", default="auto", help="the mixed run's precision (default: auto; where auto "
+                   "would pick fp32, fp16-mixed)")
+    p.add_argument("--seconds", type=float, default=150.0,
+                   help="training seconds of the two runs together, half each (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="a fixed number of optimizer steps for the mixed run "
+                   "instead of --seconds")
+    p.add_argument("--fp32-steps", type=int, default=None, help="with --steps: the fp32 run's (default: steps / 3)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--train-bytes", type=int, default=None, help="bytes of training text to read (default: 4 MB)")
-    p.add_argument("--eval-bytes", type=int, default=None, help="bytes of validation text (default: 200 kB)")
+    p.add_argument("--eval-bytes", type=int, default=None, help="bytes of validation text (default: 200 kB; each "
+                   f"evaluation reads its first {EVAL_BLOCKS} blocks)")
     p.add_argument("--out", default=None, help="run folder (default: runs/demo-<time>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -56,66 +73,98 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _loss_scaling_lines(mixed: dict[str, Any], reference: dict[str, Any]) -> list[str]:
+    """What the loss scaler did in the fp16 run, in words a newcomer can check in the plot."""
+    history = mixed["scale_history"]
+    scales = [s for _, s, _ in history]
+    lines = [f"loss scale: {scales[0]:g} after the first step, {scales[-1]:g} at the end (lowest {min(scales):g}); "
+             f"{mixed['skipped_steps']} of {mixed['steps']} steps skipped for inf/NaN gradients (the scaler "
+             "halved the scale and tried again)"]
+    if mixed["flush"]:
+        step, unscaled, at_scale, module = max(mixed["flush"], key=lambda r: r[1])
+        lines.append(f"underflow: without the scale, {unscaled:.1%} of the gradient values of layer `{module}` "
+                     f"would have flushed to zero in fp16 (step {step}); at the scale used, "
+                     f"{max(r[2] for r in mixed['flush']):.1%} at worst in any layer")
+    gap = mixed["final_eval_loss"] / reference["final_eval_loss"] - 1
+    lines.append(f"val loss: {mixed['final_eval_loss']:.3f} in fp16-mixed against {reference['final_eval_loss']:.3f} "
+                 f"in fp32 ({gap:+.1%}) after the same {mixed['training_seconds']:.0f} s of training")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
-    from mixprec.apps.plots import plot_loss_curves, plot_loss_scale
-    from mixprec.precision import resolve_precision
+    import warnings
+
+    from mixprec.apps.plots import plot_demo
+    from mixprec.precision import PrecisionPerformanceWarning, resolve_precision
     from mixprec.tasks import generate_sample
 
-    if args.steps < 4:
+    warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # the demo says what is fast here itself
+
+    if args.steps is not None and args.steps < 4:
         print("mixprec demo: error: --steps must be at least 4", file=sys.stderr)
+        return 2
+    if args.steps is None and not args.seconds >= 4:
+        print("mixprec demo: error: --seconds must be at least 4", file=sys.stderr)
         return 2
     try:
         policy = resolve_precision(args.precision)
     except ValueError as e:
         print(f"mixprec demo: error: {e}", file=sys.stderr)
         return 2
+    lesson = not policy.is_low_precision and args.precision == "auto"
+    if lesson:  # nothing 16-bit is fast here: run the numerics the lesson is about, and say so
+        policy = resolve_precision("fp16-mixed")
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    fp32_steps = args.fp32_steps or max(4, args.steps // 3)
-    print(f"mixprec demo: pycode/{args.size}, mixed run in {policy.name}"
-          + (f" ({policy.reason})" if policy.reason else "") + f", fp32 reference for {fp32_steps} steps")
+    if args.steps is None:
+        budgets = (args.seconds / 2, args.seconds / 2)
+        plan = f"{args.seconds / 2:.0f} s of training each"
+    else:
+        budgets = (args.fp32_steps or max(4, args.steps // 3), args.steps)
+        plan = f"{budgets[1]} and {budgets[0]} steps"
+    print(f"mixprec demo: pycode/{args.size} in {policy.name} beside fp32, {plan}")
+    print(f"  {policy.name}: " + (f"auto would pick fp32 here ({resolve_precision('auto').reason}); fp16-mixed "
+                                  "runs instead, to show what loss scaling does" if lesson else
+                                  policy.reason or "as asked"))
     data = (args.train_bytes, args.eval_bytes)
     task = demo_task(args.size, *data)
     print(f"data: {len(task.train_dataset)} training blocks of {task.train_dataset.block_size} bytes from the "
-          f"standard library's source; {len(task.eval_dataset)} validation blocks")
+          f"standard library's source; evaluated on {min(EVAL_BLOCKS, len(task.eval_dataset))} validation blocks")
     # Each run in a fresh process: its peak memory is its own, not what an earlier run left.
     try:
-        reference = train_in_fresh_process(args.size, data, "fp32", fp32_steps, str(out / "fp32"), args.batch_size,
-                                      not args.no_progress)
-        mixed = train_in_fresh_process(args.size, data, policy.name, args.steps, str(out), args.batch_size,
-                                  not args.no_progress)
+        reference = train_in_fresh_process(args.size, data, "fp32", budgets[0], str(out / "fp32"), args.batch_size,
+                                           not args.no_progress, "fp32")
+        mixed = train_in_fresh_process(args.size, data, policy.name, budgets[1], str(out), args.batch_size,
+                                       not args.no_progress, policy.name)
     except ValueError as e:  # a setting the Trainer refuses (its message says the fix)
         print(f"mixprec demo: error: {e}", file=sys.stderr)
         return 2
-    rows = [reference, mixed]
     print()
-    print(_table(rows))
+    print(_table([reference, mixed]))
     print(f"(speed-up: tokens/s against fp32; memory: {mixed['memory_kind']})")
-    if mixed["skipped_steps"]:
-        print(f"{mixed['skipped_steps']} fp16 steps were skipped for overflow (the loss scaler backed off)")
-    # Two curves, even where auto chose fp32 for the mixed run too.
-    names = {"fp32" if mixed["precision"] != "fp32" else "fp32 (reference)": reference, mixed["precision"]: mixed}
-    plots = [plot_loss_curves({n: r["train"] for n, r in names.items()}, out / "loss_curve.png",
-                              evaluation={n: r["eval"] for n, r in names.items()},
-                              seconds={n: r["seconds"] for n, r in names.items()},
-                              title=f"pycode/{args.size}: fp32 against {mixed['precision']}")]
     if mixed["scale_history"]:
-        plots.append(plot_loss_scale(mixed["scale_history"], out / "loss_scale.png"))
+        print("\n".join(_loss_scaling_lines(mixed, reference)))
+    if mixed["tokens_per_second"] < 1.1 * reference["tokens_per_second"]:
+        print(f"speed: no 16-bit format is faster than fp32 on this {'GPU' if torch.cuda.is_available() else 'CPU'}"
+              f"; mixed precision's speed needs native 16-bit hardware (AMX or AVX512-BF16 CPUs, GPU tensor "
+              f"cores): {GPU_FIGURE}")
+    plot = plot_demo(reference, mixed, out / "demo.png", title=f"pycode/{args.size}: fp32 against {mixed['precision']}")
     import safetensors.torch
 
     from mixprec.accelerator.accelerator import Accelerator
 
     model = Accelerator(mixed_precision=policy.name).prepare(task.build_model())
     safetensors.torch.load_model(model, str(Path(mixed["checkpoint"]) / "model_0.safetensors"))
-    sample = generate_sample(model, prompt="def ", max_new_tokens=300, generator=torch.Generator().manual_seed(0))
+    sample = generate_sample(model, prompt=SAMPLE_PROMPT, max_new_tokens=240, temperature=SAMPLE_TEMPERATURE,
+                             generator=torch.Generator().manual_seed(0))
     (out / "sample.txt").write_text(sample if isinstance(sample, str) else str(sample))
     summary = {k: {kk: vv for kk, vv in r.items() if kk not in ("train", "eval", "seconds", "scale_history")}
                for k, r in (("fp32", reference), ("mixed", mixed))}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"\nsample ({mixed['precision']} model, prompt 'def '):\n" + "\n".join(sample.splitlines()[:8]))
+    print(f"\nsample ({mixed['precision']} model, temperature {SAMPLE_TEMPERATURE}):\n"
+          + "\n".join(sample.splitlines()[:10]))
     print(f"\nrun folder: {out}")
-    for what, path in [("checkpoint", mixed["checkpoint"]), ("metrics", out / "metrics.jsonl"),
-                       *[("plot", p) for p in plots], ("sample", out / "sample.txt"), ("summary", out / "summary.json")]:
-        if path is not None:
-            print(f"  {what:<10} {path}")
+    for what, path in [("checkpoint", mixed["checkpoint"]), ("metrics", out / "metrics.jsonl"), ("plot", plot),
+                       ("sample", out / "sample.txt"), ("summary", out / "summary.json")]:
+        print(f"  {what:<10} {path}")
     return 0
