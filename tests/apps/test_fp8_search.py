@@ -311,3 +311,11 @@ def test_the_cli_prints_every_probe_the_verdict_and_writes_no_filter_when_it_ref
     assert not (tmp_path / "all.json").exists()
     assert main([*common, "--model", f"{Path(__file__).stem}:Plain", "--max-probes", "-1"]) == 2
     assert "max_probes must be an int >= 0" in capsys.readouterr().err
+
+
+def test_when_the_measured_rule_misses_and_the_default_passes_the_verified_default_is_recommended():
+    layers = _layers(a=0.5, b=0.0)
+    rec = {"recipe": "tensorwise", "keep_in_bf16": {"first": "", "last": "", "a": "its output error is 9x"}}
+    got = verify_float8(layers, rec, lambda keep: 1.5 if "a" in keep else 1.0, bf16_loss=1.0, tolerance=0.02)
+    assert got["fp8"] and set(got["keep_in_bf16"]) == {"first", "last"} and len(got["probes"]) == 2
+    assert "the measured rule's filter ended +50.00%, so torchao's default is kept" in got["reason"]

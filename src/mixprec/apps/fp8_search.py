@@ -158,19 +158,21 @@ def verify_float8(layers: dict[str, dict[str, Any]], recommendation: dict[str, A
         return probes[-1]
 
     first = probe("fp8, torchao's default filter (the first and the last Linear in bf16)", default)
+    note = ""
     if set(keep) != set(default):
         measured = probe("fp8, recommended filter (+ " + ", ".join(sorted(set(keep) - set(default))) + ")", keep)
         if measured["within"] or not first["within"]:
             first = measured
         else:  # the default passes where the measured rule's superset did not: the verified filter wins
             keep = default
+            note = f" (the measured rule's filter ended {measured['gap']:+.2%}, so torchao's default is kept)"
     converted = [n for n in layers if n not in keep]
     ranking = rank_float8_layers(layers, converted, recipe, error_ratio)
     result = {"recipe": recipe, "ranking": ranking, "max_probes": max_probes, "probes": probes}
     if first["within"]:
         return {**result, "fp8": True, "keep_in_bf16": keep, "converted": converted,
                 "reason": f"its loss probe ends {first['gap']:+.2%} against bf16-mixed, within the tolerance "
-                          f"of {tolerance:.2%}"}
+                          f"of {tolerance:.2%}{note}"}
     # The search: the worst-ranked layers kept one more at a time; never all of them (that is bf16-mixed).
     why = {r["layer"]: r["why"] for r in ranking}
     added: list[str] = []
