@@ -19,7 +19,8 @@ import torch
 
 from mixprec.trainer import Trainer, TrainerCallback
 
-__all__ = ["EVAL_BLOCKS", "TrainingClock", "demo_task", "time_cosine_schedule", "train_in_fresh_process", "train_run"]
+__all__ = ["EVAL_BLOCKS", "TrainingClock", "demo_task", "held_out_line", "next_byte_accuracy", "predicted_line",
+           "time_cosine_schedule", "train_in_fresh_process", "train_run"]
 
 #: Validation blocks every run of the demo is evaluated on: the same fixed slice for each, small
 #: enough that an evaluation costs a second, not the minute the whole validation split took.
@@ -192,6 +193,46 @@ def train_run(size: str, data: tuple[int | None, int | None], precision: str, bu
                   for h in flush],
         "checkpoint": str(list_checkpoints(Path(out))[-1]),
     }
+
+
+@torch.no_grad()
+def next_byte_accuracy(model: torch.nn.Module, blocks: Any) -> float:
+    """The fraction of bytes of ``blocks`` (a dataset of ``{"input_ids"}`` rows) whose most likely
+    next byte, by ``model`` given the bytes before it, is the one the text has."""
+    model.eval()
+    right = total = 0
+    for i in range(0, len(blocks), 32):
+        ids = torch.stack([blocks[j]["input_ids"] for j in range(i, min(i + 32, len(blocks)))])
+        ids = ids.to(next(model.parameters()).device)
+        guess = model(ids).logits[:, :-1].argmax(-1)
+        right += int((guess == ids[:, 1:]).sum())
+        total += guess.numel()
+    return right / max(total, 1)
+
+
+@torch.no_grad()
+def predicted_line(model: torch.nn.Module, text: bytes, line: bytes) -> str:
+    """``line`` (which ends ``text``) as ``model`` predicts it byte by byte, each byte guessed
+    from the real bytes before it (the context: ``text``'s last ``block_size``): what it has
+    learned of the code, shown on code it never trained on."""
+    model.eval()
+    ids = torch.tensor([list(text[-model.config.block_size:])], device=next(model.parameters()).device)
+    guess = model(ids).logits[0, :-1].argmax(-1).tolist()[-len(line):]
+    return bytes(b if 32 <= b < 127 else 63 for b in guess).decode("ascii")  # "?" for the unprintable
+
+
+def held_out_line(data: torch.Tensor, context: int, lo: int = 36, hi: int = 60) -> tuple[bytes, bytes]:
+    """A line of the validation text to show the model's predictions on: the first one of
+    ``lo``..``hi`` printable bytes that calls or assigns something on ``self``, with the
+    ``context`` bytes that end with it."""
+    raw = bytes(data.tolist())
+    at = 0
+    for line in raw.split(b"\n"):
+        start = raw.index(line, at)
+        at = start + len(line)
+        if lo <= len(line) <= hi and b"self." in line and all(32 <= b < 127 for b in line) and start >= context:
+            return raw[at - context:at], line
+    return raw[:context], raw[max(0, context - hi):context]
 
 
 def train_in_fresh_process(*args: Any) -> dict[str, Any]:
