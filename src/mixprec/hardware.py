@@ -58,6 +58,17 @@ class DeviceCapability:
 
 
 def _cpu_flags() -> dict[str, bool]:
+    """The CPU's flags, as far as the kernels torch runs use them: where torch dispatches to no
+    AVX512 kernels (``torch.backends.cpu.get_cpu_capability()``: an older CPU, or torch held to
+    AVX2 with ``ATEN_CPU_CAPABILITY=avx2``), the AVX512 and AMX flags count as absent."""
+    flags = _cpu_flags_reported()
+    level = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")()
+    if not str(level).upper().startswith("AVX512"):
+        flags = {f: v and not f.startswith(("avx512", "amx")) for f, v in flags.items()}
+    return flags
+
+
+def _cpu_flags_reported() -> dict[str, bool]:
     get = getattr(torch.cpu, "get_capabilities", None)
     if get is not None:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -180,6 +181,21 @@ def test_cpu_flags_match_torch_report_where_it_exists():
     flags = hardware.detect_capability("cpu").flags
     assert flags["amx_bf16"] == bool(report.get("amx_bf16"))
     assert flags["avx512_bf16"] == bool(report.get("avx512_bf16"))
+
+
+def test_with_torch_held_to_avx2_kernels_auto_finds_no_native_16_bit_format():
+    """``ATEN_CPU_CAPABILITY=avx2`` (torch's own switch; what an AVX2-only CPU gives): the AVX512
+    and AMX flags do not count, so auto picks what it picks on such a CPU."""
+    import subprocess
+    import sys
+
+    probe = ("from mixprec.hardware import detect_capability; from mixprec.precision import resolve_precision; "
+             "c = detect_capability('cpu'); print(c.flags['avx512_bf16'], c.flags['amx_bf16'], c.flags['avx2'], "
+             "resolve_precision('auto').name)")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:2] == ["False", "False"] and out.stdout.split()[3] == "fp32", out.stdout
 
 
 def test_unknown_device_type_is_an_error():

@@ -32,6 +32,11 @@ EXAMPLES = """Examples:
   mixprec demo --precision fp16 --out runs/fp16-demo
 """
 
+#: The model of the lesson run (fp16 where nothing 16-bit is native): its fp16 matrix products are
+#: emulated, measured 16x slower than fp32 on a CPU held to AVX2; a smaller model still takes
+#: hundreds of steps in the seconds given, enough to watch the loss scaler.
+LESSON_SIZE = "tiny"
+
 #: The generated sample: a prompt every Python file has plenty of, at a temperature low enough that
 #: a few minutes' model writes recognisable Python (at 1.0 it samples its uncertainty: noise).
 SAMPLE_PROMPT = "def "
@@ -51,8 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "generated sample. Where no 16-bit format is native (auto would pick fp32), the mixed run "
                        "is fp16-mixed: real fp16 with the loss scaler, the numerics mixed precision is about.",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default=TASKS["pycode"].defaults["size"], choices=TASKS["pycode"].variants,
-                   help="model size (default: %(default)s)")
+    p.add_argument("--size", default=None, choices=TASKS["pycode"].variants,
+                   help=f"model size (default: {TASKS['pycode'].defaults['size']}; {LESSON_SIZE} where the mixed run is "
+                   "fp16 without native 16-bit support, whose emulated matrix products are many times slower)")
     p.add_argument("--precision", default="auto", help="the mixed run's precision (default: auto; where auto "
                    "would pick fp32, fp16-mixed)")
     p.add_argument("--seconds", type=float, default=150.0,
@@ -95,7 +101,21 @@ def _loss_scaling_lines(mixed: dict[str, Any], reference: dict[str, Any]) -> lis
     gap = mixed["final_eval_loss"] / reference["final_eval_loss"] - 1
     lines.append(f"val loss: {mixed['final_eval_loss']:.3f} in fp16-mixed against {reference['final_eval_loss']:.3f} "
                  f"in fp32 ({gap:+.1%}) after the same {mixed['training_seconds']:.0f} s of training")
+    same = _loss_at(reference["train"], mixed["steps"])
+    if mixed["steps"] < reference["steps"] and same is not None and mixed["train"]:
+        step, theirs = same
+        ours = mixed["train"][-1][1]
+        lines.append(f"  in those seconds fp32 took {reference['steps']} steps and fp16-mixed {mixed['steps']}; step for "
+                     f"step: training loss {ours:.3f} at step {mixed['train'][-1][0]} against fp32's {theirs:.3f} at "
+                     f"step {step} ({ours / theirs - 1:+.1%}; fp32's learning rate was still high there, its schedule "
+                     "following its own seconds)")
     return lines
+
+
+def _loss_at(points: list[tuple[int, float]], step: int) -> tuple[int, float] | None:
+    """The logged ``(step, loss)`` nearest to ``step`` at or before it."""
+    before = [p for p in points if p[0] <= step]
+    return before[-1] if before else None
 
 
 def _what_it_learned(task: Any, model: torch.nn.Module) -> dict[str, Any]:
@@ -135,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     lesson = not policy.is_low_precision and args.precision == "auto"
     if lesson:  # nothing 16-bit is fast here: run the numerics the lesson is about, and say so
         policy = resolve_precision("fp16-mixed")
+    args.size = args.size or (LESSON_SIZE if lesson else TASKS["pycode"].defaults["size"])
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     if args.steps is None:
