@@ -157,7 +157,7 @@ def plot_demo(reference: Mapping[str, Any], mixed: Mapping[str, Any], path: str 
             right.plot([], [], " ", label=f"without it, {worst[1]:.1%} of layer {worst[3]}'s\n"
                                           "gradient values would flush to 0 in fp16")
         right.set_yscale("log", base=2)
-        _label(right, title="fp16's loss scale: the gradients are multiplied by it before backward",
+        _label(right, title="fp16's loss scale: the loss (so each gradient) is multiplied by it before backward",
                xlabel="optimizer step", ylabel="loss scale (log2)", grid={"which": "both"})
     else:
         names = list(runs)
