@@ -4,6 +4,7 @@ step budget, and teaches loss scaling where no 16-bit format is native."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import pytest
@@ -27,7 +28,8 @@ def test_demo_on_a_step_budget_trains_both_runs_writes_the_run_folder_and_a_few_
     assert main(["demo", *SMALL, "--steps", "12", "--fp32-steps", "8", "--out", str(out)]) == 0
     captured = capfd.readouterr()  # both runs' processes write to these file descriptors: not a terminal
     assert "fp32" in captured.out and "tokens/s" in captured.out and "run folder" in captured.out
-    progress = [line for line in captured.err.splitlines() if line.startswith(("fp32:", "bf16-mixed:"))]
+    # ("<precision>: 12 s, 8 steps, loss 3.1"; the mixed run's precision is what this machine makes of auto)
+    progress = [line for line in captured.err.splitlines() if re.match(r"[\w-]+: \d+ s, \d+ steps", line)]
     # Each run's first and last step, and one every 10 s between: fewer lines than the 8 + 12 steps.
     assert "\r" not in captured.err and 4 <= len(progress) < 8 + 12, progress
     assert progress[1].startswith("fp32:") and " 8 steps" in progress[1]
@@ -47,8 +49,8 @@ def test_demo_on_a_time_budget_gives_each_run_the_same_seconds(tmp_path, capsys)
     assert main(["demo", *SMALL, "--seconds", "6", "--no-progress", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     for run in summary.values():
-        # Stopped by its clock once 3 s of training were spent: within one step of them.
-        assert 3.0 <= run["training_seconds"] <= 3.0 + 4 * run["median_step_seconds"] + 0.5, run
+        # Stopped by its clock once 3 s of training were spent (within a step, however slow, of them).
+        assert 3.0 <= run["training_seconds"] <= 5.0, run
         assert run["steps"] >= 2 and list(out.glob("checkpoint-*"))
     assert f"checkpoint-{summary['mixed']['steps']}" in summary["mixed"]["checkpoint"]
 
