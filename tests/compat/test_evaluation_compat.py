@@ -131,3 +131,14 @@ def test_a_trainer_subclass_that_runs_its_own_evaluation_as_transformers_questio
                             callbacks=[Recorder()])
     metrics = trainer.evaluate()
     assert {"eval_mean", "eval_loss", "eval_samples_per_second"} <= set(metrics) and seen == [sorted(metrics)]
+
+
+def test_gather_function_and_is_fsdp_enabled_follow_the_accelerator_a_new_model_brings(tmp_path):
+    """model_init makes a fresh Accelerator for every train(): the attributes transformers sets
+    with it are set again (a stale gather_function would gather through the old one)."""
+    trainer = mixprec.Trainer(model_init=SineRegressor, args=_args(mixprec, tmp_path), train_dataset=SineRows(),
+                              eval_dataset=SineRows())
+    first = trainer.accelerator
+    trainer.train()
+    assert trainer.accelerator is not first and trainer.gather_function.func.__self__ is trainer.accelerator
+    assert trainer.is_fsdp_enabled is False and "eval_loss" in trainer.evaluate()

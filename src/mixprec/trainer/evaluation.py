@@ -60,6 +60,7 @@ class Evaluated(Protocol):
     model_wrapped: torch.nn.Module
     label_names: list[str]
     compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None
+    gather_function: Callable[[Any], Any]
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None
 
     def prediction_step(self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
@@ -90,9 +91,11 @@ def predict_batch(trainer: Evaluated, model: torch.nn.Module, inputs: Any, predi
 
 def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, prefix: str, *,
                     on_step: Callable[[], Any] | None = None, prediction_loss_only: bool = False,
-                    batch_metrics: bool = False, concat_batches: bool = True, gather_objects: bool = False,
+                    batch_metrics: bool = False, concat_batches: bool = True,
                     include: tuple[str, ...] = ()) -> EvalLoopOutput:
     """Run ``dl`` through ``trainer.prediction_step`` batch by batch; metrics are named ``{prefix}_...``.
+    Predictions, labels and inputs are gathered across processes by ``trainer.gather_function``
+    (``gather_for_metrics``, with ``eval_use_gather_object``), as transformers gathers them.
 
     Args:
         on_step: called after each batch (the Trainer's ``on_prediction_step`` event).
@@ -102,8 +105,6 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
             one, whose return is the metrics (Hugging Face's ``batch_eval_metrics``).
         concat_batches: join the batches' predictions and labels into one array each; ``False``:
             a list with one array per batch (``eval_do_concat_batches``).
-        gather_objects: gather predictions and labels across processes as Python objects
-            (``eval_use_gather_object``: outputs that are not tensors of one shape).
         include: ``"inputs"`` (the model's main input) and/or ``"loss"`` (per-sample losses), also
             passed to ``compute_metrics`` (``include_for_metrics``).
     """
@@ -115,9 +116,7 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
     losses, preds, labels, seen_inputs = [], [], [], []
     main_input = getattr(trainer.model, "main_input_name", "input_ids")
 
-    def gather(x: Any) -> Any:
-        return acc.gather_for_metrics(x, use_gather_object=gather_objects)
-
+    gather = trainer.gather_function
     batch_result: dict[str, float] | None = None
     start, n, batches = time.time(), 0, 0
     for inputs, last in _with_last(dl):

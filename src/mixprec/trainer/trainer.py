@@ -203,7 +203,6 @@ class Trainer:
         self.hp_name = self.hp_search_backend = self.hub_model_id = self.deepspeed = None
         self.neftune_noise_alpha = a.neftune_noise_alpha
         self.is_deepspeed_enabled = False
-        self.is_fsdp_enabled = self.accelerator.fsdp_plugin is not None
         self.is_fsdp_xla_enabled = self.is_fsdp_xla_v1_enabled = self.is_fsdp_xla_v2_enabled = False
         self.is_model_parallel = bool(getattr(inner, "is_parallelizable", False) and getattr(inner, "model_parallel", False))
         self.is_distributed_loading_by_transformers = getattr(inner, "is_distributed_loading_by_transformers", False)
@@ -211,8 +210,6 @@ class Trainer:
         forward = inspect.signature(type(inner).forward).parameters
         self.can_return_loss = "return_loss" in forward and forward["return_loss"].default is True
         self.current_gradient_accumulation_steps = a.gradient_accumulation_steps
-        self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
-                                                 use_gather_object=a.eval_use_gather_object)
 
     def create_accelerator_and_postprocess(self) -> None:
         """``self.accelerator``: a fresh :class:`~mixprec.Accelerator` from ``args`` (the precision,
@@ -234,6 +231,11 @@ class Trainer:
             diagnostics=DiagnosticsConfig(gradient_stats_every=a.diagnostics_steps,
                                           trace_overflow=a.trace_overflow or "underflow_overflow" in a.debug,
                                           drift_every=a.drift_steps))
+        # transformers sets these here too: a new Accelerator (model_init, auto_find_batch_size)
+        # must not leave them on the old one. The evaluation loop gathers through gather_function.
+        self.is_fsdp_enabled = self.accelerator.fsdp_plugin is not None
+        self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
+                                                 use_gather_object=a.eval_use_gather_object)
 
     def _setup_model(self, model: torch.nn.Module) -> None:
         """A fresh Accelerator from ``args``, with ``model`` prepared on it."""
@@ -1211,7 +1213,7 @@ class Trainer:
                                prediction_loss_only=(a.prediction_loss_only if prediction_loss_only is None
                                                      else prediction_loss_only),
                                batch_metrics=a.batch_eval_metrics,
-                               concat_batches=a.eval_do_concat_batches, gather_objects=a.eval_use_gather_object,
+                               concat_batches=a.eval_do_concat_batches,
                                include=tuple(a.include_for_metrics))
 
     def prediction_step(self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool,
