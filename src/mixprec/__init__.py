@@ -40,6 +40,7 @@ from mixprec.trainer import (
     TrainingArguments,
     TrainOutput,
 )
+from mixprec.trainer.engine import patch_transformers, unpatch_transformers
 
 __version__ = "0.1.0"
 
@@ -85,6 +86,8 @@ __all__ = [
     "diagnostics",
     "get_task",
     "load_factory",
+    "patch_transformers",
     "precision_names",
     "resolve_precision",
+    "unpatch_transformers",
 ]

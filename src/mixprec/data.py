@@ -143,10 +143,21 @@ def _shard_split_batches(batches: list[list[int]], world: int, rank: int, batch_
 
 class _ShardedBatchSampler:
     """Process ``rank``'s share of ``batch_sampler``'s batches (whole batches in turn, or a slice
-    of each with ``split``), optionally skipping some first."""
+    of each with ``split``), optionally skipping some first; and, as Accelerate's
+    ``SeedableRandomSampler`` inside its ``BatchSamplerShard``, the epoch's shuffle order.
+
+    The order is set here, where the indices are drawn, not in the loader: a ``DataLoader`` rebuilt
+    around this batch sampler (Accelerate's free function ``skip_first_batches`` does that, and
+    transformers' Trainer calls ``set_epoch`` on it) gives the same batches. When the sampler
+    shuffles with ``generator`` (the prepared loader's own), each epoch reseeds it by ``shuffle``:
+    ``"seedable"`` with ``seed + epoch``; ``"per_epoch"`` with a draw of torch's global RNG (what
+    torch's ``RandomSampler`` draws); ``"continue"`` lets it run on. A loader that does not shuffle
+    draws nothing here.
+    """
 
     def __init__(self, batch_sampler: Any, world_size: int, rank: int, drop_last: bool, *, split: bool = False,
-                 even: bool = True) -> None:
+                 even: bool = True, generator: torch.Generator | None = None, shuffle: str = "continue",
+                 seed: int = 0) -> None:
         self.batch_sampler = batch_sampler
         self.world_size = world_size
         self.rank = rank
@@ -160,6 +171,26 @@ class _ShardedBatchSampler:
         self.skip = 0  # batches of this process's share to skip, on the next epoch only
         self.remainder = 0  # padded samples in the last round of the epoch, over all processes
         self.batches: list[list[int]] = []  # this process's batches of indices in the current epoch
+        self.generator, self.shuffle, self.seed = generator, shuffle, seed
+        self.epoch = 0
+        #: A restored mid-epoch state: the epoch's order is the generator's as restored (no reseed).
+        self.restored = False
+        #: The generator's state the current epoch's order was drawn from (what a checkpoint keeps).
+        self.epoch_start_state = generator.get_state() if generator is not None else None
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next pass draws its order for (Accelerate's ``SeedableRandomSampler.set_epoch``)."""
+        self.epoch = epoch
+
+    def _seed_epoch(self) -> None:
+        gen, restored, self.restored = self.generator, self.restored, False
+        if gen is None:
+            return
+        if self.shuffle == "seedable":
+            gen.manual_seed(self.seed + self.epoch)  # the epoch's order, restored or not
+        elif self.shuffle == "per_epoch" and not restored:
+            gen.manual_seed(_draw())
+        self.epoch_start_state = gen.get_state()
 
     def _shard(self) -> list[list[int]]:
         batches = [list(b) for b in self.batch_sampler]
@@ -171,9 +202,11 @@ class _ShardedBatchSampler:
         return mine
 
     def __iter__(self) -> Iterator[list[int]]:
+        self._seed_epoch()
         self.batches = self._shard()
         skip, self.skip = self.skip, 0
         yield from self.batches[skip:]
+        self.epoch += 1
 
     def __len__(self) -> int:
         n, w = len(self.batch_sampler), self.world_size
@@ -231,8 +264,6 @@ class PreparedDataLoader(DataLoader):
         if shuffle not in ("seedable", "per_epoch", "continue"):
             raise ValueError(f"shuffle must be 'seedable', 'per_epoch' or 'continue', got {shuffle!r}")
         self._own_generator = user_gen is None
-        self._shuffle = shuffle
-        self._restored = False  # a mid-epoch state was loaded: the next epoch draws nothing
         #: The generator of the shuffle order (Accelerate's name).
         self.synchronized_generator = user_gen if user_gen is not None else torch.Generator().manual_seed(seed)
         # With our generator, the workers' base seed comes from one apart, so drawing it leaves the
@@ -243,7 +274,6 @@ class PreparedDataLoader(DataLoader):
         self.batches_yielded = 0
         self.end_of_dataloader = False
         self._in_epoch = False
-        self._epoch_start_state = self.synchronized_generator.get_state()
         self._iterable = isinstance(loader.dataset, IterableDataset)
         self._world_size, self._rank = world_size, rank
         self._skip = 0  # batches to skip at the start of the next epoch
@@ -251,7 +281,7 @@ class PreparedDataLoader(DataLoader):
         self._sharder: _ShardedBatchSampler | None = None
         self._dispatch = bool(dispatch_batches) and world_size > 1
         self._split = bool(split_batches)
-        self._dispatch_remainder = 0
+        self._dispatch_rows: int | None = None  # the rows of the last dispatched round (once reached)
         common = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
                       timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
                       multiprocessing_context=loader.multiprocessing_context,
@@ -278,15 +308,20 @@ class PreparedDataLoader(DataLoader):
             super().__init__(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
                              sampler=None if self._iterable else sampler, generator=loader.generator, **common)
             return
-        if isinstance(sampler, RandomSampler) and sampler.generator is None:
+        shuffles = isinstance(sampler, RandomSampler) and sampler.generator is None and self._own_generator
+        if shuffles:
             sampler.generator = self.synchronized_generator  # the shuffle order becomes part of our state
-        if self._dispatch:
-            batch_sampler = loader.batch_sampler  # process 0 reads the whole epoch; the others nothing
-        else:
-            batch_sampler = self._sharder = _ShardedBatchSampler(
-                loader.batch_sampler, world_size, rank, getattr(loader.batch_sampler, "drop_last", False),
-                split=split_batches, even=even_batches)
-        super().__init__(loader.dataset, batch_sampler=batch_sampler, generator=self._worker_generator, **common)
+        # Dispatched, process 0 reads the whole epoch (nothing sharded) and the others read nothing.
+        sharded_over = 1 if self._dispatch else world_size
+        batch_sampler = self._sharder = _ShardedBatchSampler(
+            loader.batch_sampler, sharded_over, rank if sharded_over > 1 else 0,
+            getattr(loader.batch_sampler, "drop_last", False), split=split_batches, even=even_batches,
+            generator=self.synchronized_generator if shuffles else None, shuffle=shuffle, seed=seed)
+        # With our own generator, the workers' base seed is drawn from torch's global RNG, as torch's
+        # and Accelerate's loaders draw it (``generator=None``); a DataLoader rebuilt from this one
+        # (Accelerate's ``skip_first_batches``) then draws it alike.
+        super().__init__(loader.dataset, batch_sampler=batch_sampler,
+                         generator=None if self._own_generator else self._worker_generator, **common)
         # What the original loader said (torch's DataLoader would say None with a batch sampler).
         for name in ("batch_size", "sampler", "drop_last"):
             object.__setattr__(self, name, getattr(loader, name))
@@ -299,9 +334,9 @@ class PreparedDataLoader(DataLoader):
     @property
     def even_batches(self) -> bool | None:
         """Whether the last round is padded so every process gets a batch (``None``: not sharded
-        by us, an ``IterableDataset`` or a loader without ``batch_size``); settable, as
-        ``Accelerator.join_uneven_inputs(even_batches=...)`` does for the block it wraps."""
-        return self._sharder.even if self._sharder is not None else None
+        by us, an ``IterableDataset``, a loader without ``batch_size``, dispatched batches);
+        settable, as ``Accelerator.join_uneven_inputs(even_batches=...)`` does for the block it wraps."""
+        return self._sharder.even if self._sharder is not None and not self._dispatch else None
 
     @even_batches.setter
     def even_batches(self, value: bool) -> None:
@@ -350,15 +385,22 @@ class PreparedDataLoader(DataLoader):
 
     @property
     def remainder(self) -> int:
-        """Duplicated samples (over all processes) in the last batch of the epoch; 0 elsewhere."""
-        if not self.end_of_dataloader:
-            return 0
+        """Accelerate's meaning: the real samples (over all processes) in the epoch's last batch
+        round, which ``gather_for_metrics`` keeps of what it gathers there, the padding dropped:
+        ``len(dataset) % total_batch_size``; ``0`` when the dataset divides evenly; ``-1`` where it
+        is not known (``drop_last``, a dataset without a length). Dispatched batches: the rows of
+        the last round, known once it is reached (``-1`` before)."""
         if self._dispatch:
-            return self._dispatch_remainder
-        return self._sharder.remainder if self._sharder is not None else 0
+            return self._dispatch_rows if self.end_of_dataloader and self._dispatch_rows is not None else -1
+        if self.drop_last:
+            return -1
+        try:
+            return self.total_dataset_length % self.total_batch_size
+        except (TypeError, ZeroDivisionError, NotImplementedError):  # no length, or no batch size
+            return -1
 
     def __len__(self) -> int:
-        if self._sharder is not None:
+        if self._sharder is not None and not self._dispatch:
             return len(self._sharder)
         n = len(self.base_dataloader)
         if not self._dispatch or self._split:
@@ -377,7 +419,7 @@ class PreparedDataLoader(DataLoader):
             >>> [b.tolist() for b in dl][-1], dl.batch_indices(2)
             ([8, 9], [8, 9])
         """
-        if self._sharder is None or not 0 <= position < len(self._sharder.batches):
+        if self._sharder is None or self._dispatch or not 0 <= position < len(self._sharder.batches):
             return None
         return list(self._sharder.batches[position])
 
@@ -385,6 +427,8 @@ class PreparedDataLoader(DataLoader):
         """Make ``epoch`` the next epoch (its shuffle order is the one that epoch had), and
         forward it to a sampler or dataset that wants it (``DistributedSampler``, a streaming dataset)."""
         self.epoch = epoch
+        if self._sharder is not None:
+            self._sharder.set_epoch(epoch)
         targets = [getattr(self.base_dataloader, "sampler", None), getattr(self.base_dataloader, "batch_sampler", None)]
         if not any(hasattr(s, "set_epoch") for s in targets):
             targets.append(self.dataset)
@@ -406,11 +450,12 @@ class PreparedDataLoader(DataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: epochs started, batches yielded in this one, the epoch's RNG state."""
-        if not self._in_epoch:  # between epochs: the next one starts from the generator as it is now
-            return {"epoch": self.epoch, "batches_yielded": 0,
+        start = self._sharder.epoch_start_state if self._sharder is not None else None
+        if not self._in_epoch or start is None:  # between epochs: the next one starts from the generator as it is
+            return {"epoch": self.epoch, "batches_yielded": self.batches_yielded if self._in_epoch else 0,
                     "generator_state": self.synchronized_generator.get_state(), "seed": self.seed}
         return {"epoch": self.epoch, "batches_yielded": self.batches_yielded,
-                "generator_state": self._epoch_start_state.clone(), "seed": self.seed}
+                "generator_state": start.clone(), "seed": self.seed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where :meth:`state_dict` was taken: the same shuffle order, at the next batch
@@ -418,33 +463,32 @@ class PreparedDataLoader(DataLoader):
         self.epoch = int(state["epoch"])
         self.seed = int(state.get("seed", self.seed))
         self.synchronized_generator.set_state(state["generator_state"])
-        self._restored = int(state["batches_yielded"]) > 0  # that epoch's order is the state's, drawn already
+        if self._sharder is not None:
+            self._sharder.seed = self.seed
+            # that epoch's order is the state's, drawn already: the next pass draws no new one
+            self._sharder.restored = int(state["batches_yielded"]) > 0
         self.skip_batches(int(state["batches_yielded"]) if self.resume_position else 0)
 
     def __iter__(self) -> Iterator[Any]:
         if self._on_iter is not None:
             self._on_iter(self)
-        # Restored by load_state_dict(), or simply where the last epoch left it: the state from
-        # which this epoch's shuffle order (and the workers' base seed) will be drawn.
-        restored, self._restored = self._restored, False
-        gen = self.synchronized_generator
-        if self._own_generator and not self._iterable and not restored:
-            # What torch's DataLoader draws from the global RNG at each epoch (the workers' base seed),
-            # then, in one process, what its RandomSampler draws: the same draws, in the same order.
-            # Dispatched, only process 0's sampler draws (it alone reads the order).
-            self._worker_generator.manual_seed(_draw())
-            if self._shuffle == "per_epoch" and not (self._dispatch and self._rank != 0):
-                gen.manual_seed(_draw())
-        if self._own_generator and not self._iterable and self._shuffle == "seedable":
-            gen.manual_seed(self.seed + self.epoch)  # the epoch's order, restored or not
-        self._epoch_start_state = gen.get_state()
+        if self._own_generator and not self._iterable and self._sharder is not None:
+            # torch's DataLoader draws the workers' base seed from the global RNG at each epoch, then
+            # a shuffling loader's batch sampler draws the order, when the first batch is asked for:
+            # the same draws as torch's and Accelerate's, in the same order (dispatched, only process
+            # 0 reads the sampler, so only its order is drawn). An epoch restored mid-way draws
+            # neither: the global RNG is the checkpoint's, past those draws.
+            self.generator = self._worker_generator if self._sharder.restored else None
+        if self._sharder is not None:
+            self._sharder.set_epoch(self.epoch)
         if self._workers_started:
             # torch draws the workers' base seed when it starts the workers, and persistent workers
             # are started once: draw it here in the epochs torch does not.
             torch.empty((), dtype=torch.int64).random_(generator=self._worker_generator)
         self._workers_started = self.persistent_workers and self.num_workers > 0
         skip, self._skip = self._skip, 0
-        if self._sharder is not None:
+        sampler_skips = self._sharder is not None and not self._dispatch
+        if sampler_skips:
             self._sharder.skip = skip  # skipped in the sampler: those batches are never loaded
         self.batches_yielded = skip
         self.end_of_dataloader = False
@@ -452,7 +496,7 @@ class PreparedDataLoader(DataLoader):
         it = super().__iter__()
         if self._dispatch:
             it, skip = self._dispatched(it, skip), 0
-        if self._sharder is not None:
+        if sampler_skips:
             skip = 0  # skipped in the sampler already
         yield from _epoch(self, it, skip)
 
@@ -478,7 +522,7 @@ class PreparedDataLoader(DataLoader):
             return box[0]
 
         first, index = None, 0
-        self._dispatch_remainder = 0
+        self._dispatch_rows = None
         current = fetch()
         while current is not None:
             nxt = fetch()
@@ -489,7 +533,7 @@ class PreparedDataLoader(DataLoader):
             if nxt is None:
                 if not drop_last and rows % w:
                     current, per = _concatenate([current, first]), per + 1
-                self._dispatch_remainder = per * w - rows
+                self._dispatch_rows = rows
             if index >= skip:
                 yield _slice_rows(current, rank * per, (rank + 1) * per)
             index += 1
@@ -537,7 +581,7 @@ class IterableLoader:
     other attributes are the iterable's own.
     """
 
-    remainder = 0  # nothing is padded
+    remainder = -1  # Accelerate's "not known": nothing is padded, nothing cut
 
     def __init__(self, iterable: Any, *, device: torch.device | None, float_dtype: torch.dtype | None = None,
                  on_iter=None, on_end=None, non_blocking: bool | None = None) -> None:

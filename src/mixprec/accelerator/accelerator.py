@@ -239,8 +239,9 @@ class Accelerator:
             device = torch.device(os.environ["ACCELERATE_TORCH_DEVICE"])
         #: Which process this is among all of them, and what runs where (a part; ``state`` holds it too).
         self.processes = Processes(info, device)
-        _share_with_accelerate(cpu=device.type == "cpu")
         policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", device)
+        # (bf16-true computes in bf16: Accelerate's code that reads the precision reads "bf16")
+        _share_with_accelerate(cpu=device.type == "cpu", mixed_precision=_ACCELERATE_NAMES[policy.name].split("-")[0])
         #: What the run's precision does (read at call time by the prepared models and optimizers).
         if scaler_kwargs and policy.needs_loss_scaler and precision_config.loss_scaler is None:
             # GradScalerKwargs set the fp16 scaler (where there is none, Accelerate ignores it too).
@@ -404,12 +405,15 @@ class Accelerator:
         """
         return self.preparer.prepare(*objects, device_placement=device_placement)
 
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
         """Move ``model`` to the device, convert it for the precision (bf16 parameters for
         bf16-true), run its forward in the current precision, and shard it with FSDP2 or wrap it
         in ``DistributedDataParallel`` when several processes run. A model prepared already is
-        returned as it is."""
-        return self.preparer.prepare_model(model, device_placement)
+        returned as it is (registered again after :meth:`free_memory`). ``evaluation_mode=True``
+        (Accelerate's; transformers' Trainer uses it to evaluate without training, trl for a
+        reference model): for inference, neither DDP nor FSDP2 wraps it."""
+        return self.preparer.prepare_model(model, device_placement, evaluation_mode)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         """Wrap ``optimizer`` so that ``step()`` goes through the precision plugin (bf16-true
@@ -758,16 +762,22 @@ class Accelerator:
         return D.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """:meth:`gather`, dropping the duplicates that padded the last uneven batch round.
+        """:meth:`gather`, and at the last batch of a prepared dataloader, only its real samples.
+
+        As Accelerate: on the dataloader's last batch, what is gathered is cut to the first
+        ``gradient_state.remainder`` rows (``len(dataset) % total_batch_size``), which drops the
+        samples that padded the last round over the processes, and also the rows of a value
+        repeated to the full batch size (a loss repeated per sample, as transformers' evaluation
+        loop does), on one process too. Nothing is cut elsewhere, or where the remainder is 0 or
+        not known (``-1``: ``drop_last``, a dataset without a length).
 
         ``use_gather_object`` (or data that is not all tensors): gather Python objects instead, as
         :func:`~mixprec.accelerator.utils.gather_object` does (lists joined in rank order)."""
         objects = use_gather_object or not all(isinstance(t, torch.Tensor) for t in tree_leaves(input_data))
         data = gather_object(input_data) if objects else D.gather(input_data)
-        dl = self.gradient_state.active_dataloader
-        remainder = dl.remainder if (dl is not None and dl.end_of_dataloader) else 0
-        if remainder:
-            data = data[: len(data) - remainder] if objects else _truncate(data, remainder)
+        state = self.gradient_state
+        if state.end_of_dataloader and (keep := state.remainder) > 0:
+            data = data[:keep] if objects else tree_map(lambda t: t[:keep], data)
         return data
 
     def reduce(self, tensor: Any, reduction: str = "sum") -> Any:
@@ -1082,24 +1092,33 @@ class Accelerator:
                 f"num_processes={self.num_processes}, gradient_accumulation_steps={self.gradient_accumulation_steps})")
 
 
-def _share_with_accelerate(cpu: bool) -> None:
-    """Where the script also uses Accelerate's utilities (``accelerate.logging.get_logger``,
-    ``accelerate.utils.gather_object``...), set up the process state they read: Accelerate's
-    ``PartialState`` (who this process is; the process group mixprec made). Its precision and
-    gradient state stay Accelerate's own, unused: they are not mixprec's."""
+def _share_with_accelerate(cpu: bool, mixed_precision: str) -> None:
+    """Where the script (or a library it uses: transformers' Trainer, trl) also uses Accelerate's
+    utilities (``accelerate.logging.get_logger``, ``accelerate.utils.set_seed(device_specific=True)``,
+    ``gather_object``...), set up the process state they read: Accelerate's ``PartialState`` (who
+    this process is; the process group mixprec made) and ``AcceleratorState`` (the same, and the
+    precision in Accelerate's words). Accelerate keeps one of each per process: with several
+    mixprec Accelerators, its ``mixed_precision`` is the newest one's. Its gradient state stays
+    Accelerate's own, unused: mixprec's Accelerators hold their own."""
     import sys
 
     if "accelerate" not in sys.modules:  # the script does not use Accelerate: nothing to set up
         return
     try:
-        from accelerate.state import PartialState
+        from accelerate.state import AcceleratorState, PartialState
+        from accelerate.utils import TorchDynamoPlugin
 
         if not PartialState._shared_state:
             PartialState(cpu=cpu)
+        if not AcceleratorState._shared_state or AcceleratorState._shared_state == PartialState._shared_state:
+            AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=TorchDynamoPlugin(),
+                             _from_accelerator=True)
+        else:  # made already (by an earlier Accelerator): the precision is this one's now
+            AcceleratorState._shared_state["_mixed_precision"] = mixed_precision
     except Exception as e:  # noqa: BLE001 - Accelerate's utilities then say what they need themselves
         import logging
 
-        logging.getLogger("mixprec").debug("mixprec: Accelerate's PartialState was not set up: %s", e)
+        logging.getLogger("mixprec").debug("mixprec: Accelerate's process state was not set up: %s", e)
 
 
 def _env_flag(name: str) -> bool:
@@ -1122,7 +1141,3 @@ def _fp8_fields(ao: Any) -> dict[str, Any]:
     if ao.module_filter_func is not None:
         fields["fp8_filter"] = ao.module_filter_func
     return fields
-
-
-def _truncate(data: Any, n: int) -> Any:
-    return tree_map(lambda t: t[: len(t) - n], data)

@@ -27,6 +27,7 @@ from mixprec.accelerator.wrappers import (
     OptimizerHooks,
     PreparedDDP,
     patch_forward,
+    repoint_forward,
 )
 from mixprec.data import IterableLoader, PreparedDataLoader
 from mixprec.diagnostics.monitor import DiagnosticsConfig, Monitor
@@ -137,14 +138,36 @@ class Preparer:
         # schedulers last, since they must find their prepared optimizer.
         for wanted in ("model", "optimizer", "dataloader", "scheduler"):
             for i, (obj, kind) in enumerate(zip(objects, kinds)):
-                if kind != wanted or getattr(obj, "_is_accelerate_prepared", False):
+                if kind != wanted:
                     continue
-                if kind == "model":
+                if getattr(obj, "_is_accelerate_prepared", False):
+                    out[i] = self._register_again(obj, kind)
+                elif kind == "model":
                     out[i] = self.prepare_model(obj, device_placement[i] if device_placement else None)
                 else:
                     out[i] = {"optimizer": self.prepare_optimizer, "dataloader": self.prepare_data_loader,
                               "scheduler": self.prepare_scheduler}[kind](obj)
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _register_again(self, obj: Any, kind: str) -> Any:
+        """An object prepared already comes back as it is and, as in Accelerate, is registered
+        again if this Accelerator no longer holds it (after ``free_memory``: transformers' Trainer
+        prepares its model and optimizer again for a second ``train()``); the precision audit and
+        the loss scaler's bookkeeping take it up again. An optimizer or dataloader another
+        Accelerator prepared is prepared afresh here (its step and batches must be this one's)."""
+        held = {"model": self.prepared.models, "optimizer": self.prepared.optimizers,
+                "scheduler": self.prepared.schedulers, "dataloader": self.prepared.dataloaders}[kind]
+        if any(obj is o for o in held):
+            return obj
+        if kind == "optimizer" and getattr(obj, "hooks", None) is not self.optimizer_hooks:
+            return self.prepare_optimizer(obj)  # another Accelerator's: wrapped afresh
+        if kind == "model":
+            repoint_forward(obj, self.current_precision)  # its forward runs in this Accelerator's precision
+            self.audit.watch_model(obj)
+        elif kind == "optimizer":
+            self.current_precision().track_optimizer(obj.optimizer)
+        held.append(obj)
+        return obj
 
     def _mark_prepared(self, obj: Any) -> Any:
         try:
@@ -153,13 +176,15 @@ class Preparer:
             pass
         return obj
 
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
         """Move ``model`` to the device, convert it for the precision (bf16 parameters for
         bf16-true), run its forward in the current precision, and wrap it in
         ``DistributedDataParallel`` when several processes run. A model prepared already is
-        returned as it is."""
-        if any(model is m for m in self.prepared.models):
-            return model
+        returned as it is. ``evaluation_mode``: for inference only (Accelerate's): neither DDP nor
+        FSDP2 wraps it, each process runs its own copy."""
+        if getattr(model, "_is_accelerate_prepared", False):
+            return self._register_again(model, "model")
         if getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False):
             device_map = getattr(model, "hf_device_map", None) or {}
             if any(d in ("cpu", "disk") for d in device_map.values()):
@@ -175,7 +200,7 @@ class Preparer:
         self.sharded_params.update({id(p): q for n, q in model.named_parameters() if (p := given.get(n)) is not None
                                     and p is not q})
         patch_forward(model, self.current_precision)
-        if state.use_distributed and self.fsdp_plugin is not None:
+        if state.use_distributed and self.fsdp_plugin is not None and not evaluation_mode:
             # Every rank shards the same weights: rank 0's (as DDP does; FSDP2 alone would keep
             # each rank's own slice of differently initialised models).
             D.broadcast_module_state(model)
@@ -193,7 +218,8 @@ class Preparer:
             if self.monitor is None:
                 self.monitor = Monitor(self.diagnostics, scaler=precision.scaler)
             self.monitor.watch(model)
-        if state.use_distributed and self.fsdp_plugin is None:
+        if state.use_distributed and self.fsdp_plugin is None and not evaluation_mode \
+                and any(p.requires_grad for p in model.parameters()):  # (DDP refuses a frozen model)
             ids = [state.device.index] if state.device.type == "cuda" else None
             model = PreparedDDP(model, device_ids=ids, **self.ddp_kwargs)
             # The bucket's mean, compressed to ddp_comm_hook's dtype if set; the audit sees its dtype.
@@ -209,6 +235,8 @@ class Preparer:
         """Wrap ``optimizer`` so that ``step()`` goes through the precision plugin (bf16-true
         first swaps a fresh AdamW/SGD for its compensated twin)."""
         if isinstance(optimizer, AcceleratedOptimizer):
+            if optimizer.hooks is self.optimizer_hooks:  # this Accelerator's own
+                return self._register_again(optimizer, "optimizer")
             optimizer = optimizer.optimizer
         if self.sharded_params:
             for group in optimizer.param_groups:

@@ -174,9 +174,16 @@ class GradientState(_State):
 
     @property
     def remainder(self) -> int:
-        """Padded duplicates in the active dataloader's last batch round (0 elsewhere)."""
+        """Accelerate's meaning: the real samples in the active dataloader's last batch round over all
+        processes (``len(dataset) % total_batch_size``, what ``gather_for_metrics`` keeps of the
+        last round); ``-1`` outside a dataloader or where it is not known."""
         dl = self.active_dataloader
-        return dl.remainder if (dl is not None and dl.end_of_dataloader) else -1
+        return dl.remainder if dl is not None else -1
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Set :attr:`sync_gradients` (Accelerate's private setter: transformers' Trainer, which
+        counts its own accumulation, calls it on every micro-batch)."""
+        self.sync_gradients = sync_gradients
 
     @property
     def plugin_kwargs(self) -> dict[str, Any]:

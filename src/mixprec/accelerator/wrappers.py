@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 from mixprec.models import ORIGINAL_FORWARD
 from mixprec.precision import PrecisionPlugin
 
-__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "OptimizerHooks", "PreparedDDP", "patch_forward", "unpatch_forward",
-           "unwrap", "unwrap_keeping_compile"]
+__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "OptimizerHooks", "PreparedDDP", "patch_forward",
+           "repoint_forward", "unpatch_forward", "unwrap", "unwrap_keeping_compile"]
 
 _ORIGINAL = ORIGINAL_FORWARD  # models.original_forward reads it
 _PRECISION = "_mixprec_precision"  # a function returning the owner's current plugin
@@ -51,6 +51,16 @@ def patch_forward(model: torch.nn.Module, current_precision: Callable[[], Precis
     forward.__wrapped__ = getattr(original, "__func__", original)
     forward.__doc__ = original.__doc__
     model.forward = types.MethodType(forward, model)
+
+
+def repoint_forward(model: torch.nn.Module, current_precision: Callable[[], PrecisionPlugin]) -> None:
+    """Run ``model`` (or the module inside its DDP / compile wrappers) in ``current_precision()``
+    from now on: a model another Accelerator prepared, prepared again."""
+    target = unwrap(model)
+    if hasattr(target, _ORIGINAL):
+        setattr(target, _PRECISION, current_precision)
+    else:
+        patch_forward(target, current_precision)
 
 
 def unpatch_forward(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,213 @@
+"""mixprec as the engine under transformers' own Trainer: :func:`patch_transformers`.
+
+Libraries that subclass transformers' ``Trainer`` (trl's ``SFTTrainer``, ``DPOTrainer``,
+``GRPOTrainer``...; sentence-transformers) cannot base their classes on mixprec's Trainer. They all
+build their ``accelerate.Accelerator`` in one place, ``Trainer.create_accelerator_and_postprocess``,
+through the name ``transformers.trainer.Accelerator``. The switch is that one name: after
+:func:`patch_transformers`, it builds a :class:`mixprec.Accelerator` from the same arguments, and
+everything else is the Accelerator keeping Accelerate's contract. One callback is added to
+transformers' default callbacks (``transformers.trainer.DEFAULT_CALLBACKS``), because nothing else
+can put what mixprec's Trainer shows into transformers' logs: the precision really in force in the
+first training log (``precision_in_force``), the loss scale and the skipped steps, and a warning
+when steps are skipped. No method of transformers is rewritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any
+
+from mixprec.accelerator.accelerator import Accelerator
+from mixprec.precision import resolve_precision
+
+__all__ = ["EnginePatch", "patch_transformers", "unpatch_transformers"]
+
+_log = logging.getLogger("mixprec.trainer")
+_lock = threading.Lock()
+#: The Accelerators the switch built, by ``id`` of their ``state`` (what a prepared optimizer holds):
+#: the callback finds its Trainer's Accelerator there.
+_BUILT: weakref.WeakValueDictionary[int, Accelerator] = weakref.WeakValueDictionary()
+
+
+class _SwitchedName(type):
+    """The metaclass of :class:`EngineAccelerator`: calling the class builds a mixprec Accelerator,
+    and ``isinstance(x, EngineAccelerator)`` holds for every mixprec Accelerator."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Accelerator:
+        patch = _active
+        if patch is not None and patch.precision is not None:
+            kwargs["mixed_precision"] = patch.precision
+        accelerator = Accelerator(*args, **kwargs)
+        _BUILT[id(accelerator.state)] = accelerator
+        return accelerator
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, Accelerator)
+
+
+class EngineAccelerator(metaclass=_SwitchedName):
+    """What ``transformers.trainer.Accelerator`` names while the switch is on: called with
+    Accelerate's arguments (as ``create_accelerator_and_postprocess`` calls it), it returns a
+    :class:`mixprec.Accelerator`, its precision the switch's if one was given."""
+
+
+class EnginePatch:
+    """The switch, as :func:`patch_transformers` returns it: :meth:`undo` (or leaving its ``with``
+    block) gives transformers back Accelerate's Accelerator.
+
+    Attributes:
+        precision: the precision every Trainer trains in (a canonical mixprec name), or ``None``:
+            what its TrainingArguments say (``fp16=True`` is real fp16-mixed, also on the CPU).
+    """
+
+    def __init__(self, precision: str | None) -> None:
+        self.precision = precision
+
+    @property
+    def active(self) -> bool:
+        """Whether this switch is the one in force."""
+        return _active is self
+
+    def undo(self) -> None:
+        """Restore Accelerate's Accelerator in transformers' Trainer (idempotent)."""
+        unpatch_transformers()
+
+    def __enter__(self) -> EnginePatch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        return f"EnginePatch(precision={self.precision!r}, active={self.active})"
+
+
+_active: EnginePatch | None = None
+_saved: dict[str, Any] = {}
+
+
+def _transformers_trainer() -> Any:
+    try:
+        import transformers.trainer as hf_trainer
+    except ImportError as e:
+        raise ImportError("mixprec.patch_transformers() switches transformers' Trainer to mixprec's Accelerator, "
+                          "and transformers is not installed: pip install transformers (or use mixprec.Trainer, "
+                          "which needs no transformers)") from e
+    return hf_trainer
+
+
+def patch_transformers(precision: str | None = None) -> EnginePatch:
+    """Make transformers' ``Trainer``, and every subclass of it (trl's, sentence-transformers'),
+    train through :class:`mixprec.Accelerator`.
+
+    Replaces the one name transformers' Trainer builds its Accelerator from
+    (``transformers.trainer.Accelerator``) and adds one callback to its default callbacks (the
+    precision in force in the first training log, the loss scale, skipped steps). Calling it again
+    keeps one switch and takes the new ``precision``.
+
+    Args:
+        precision: any name :func:`~mixprec.resolve_precision` takes (``"bf16-true"``, ``"fp8"``,
+            ``"auto"``, ``"fp16"``...), used over what the TrainingArguments say. ``None``:
+            ``fp16=True`` / ``bf16=True`` decide, meaning what they mean in mixprec (fp16 on the
+            CPU is real fp16, where Accelerate silently trains in fp32).
+
+    Returns:
+        the :class:`EnginePatch` in force: ``.undo()`` restores Accelerate, and it is a context manager.
+
+    Raises:
+        ImportError: transformers is not installed.
+        ValueError: ``precision`` is not a precision name (the error lists the valid ones).
+
+    Example:
+        >>> import mixprec
+        >>> with mixprec.patch_transformers("bf16"):              # doctest: +SKIP
+        ...     trl.SFTTrainer(model=model, args=args, train_dataset=data).train()
+    """
+    global _active
+    if precision is not None:
+        precision = resolve_precision(precision).name if precision != "auto" else "auto"
+    hf_trainer = _transformers_trainer()
+    with _lock:
+        if _active is None:
+            _saved["Accelerator"] = hf_trainer.Accelerator
+            hf_trainer.Accelerator = EngineAccelerator
+            if _callback_class() not in hf_trainer.DEFAULT_CALLBACKS:
+                hf_trainer.DEFAULT_CALLBACKS.append(_callback_class())
+        _active = EnginePatch(precision) if _active is None else _active
+        _active.precision = precision
+        return _active
+
+
+def unpatch_transformers() -> None:
+    """Give transformers' Trainer Accelerate's Accelerator back (a no-op when the switch is off)."""
+    global _active
+    with _lock:
+        if _active is None:
+            return
+        hf_trainer = _transformers_trainer()
+        hf_trainer.Accelerator = _saved.pop("Accelerator")
+        while _callback_class() in hf_trainer.DEFAULT_CALLBACKS:
+            hf_trainer.DEFAULT_CALLBACKS.remove(_callback_class())
+        _active = None
+
+
+def is_patched() -> bool:
+    """Whether transformers' Trainer builds mixprec's Accelerator now."""
+    return _active is not None
+
+
+def _accelerator_of(optimizer: Any) -> Accelerator | None:
+    state = getattr(optimizer, "accelerator_state", None)
+    return _BUILT.get(id(state)) if state is not None else None
+
+
+def _callback_class() -> type:
+    """:class:`PrecisionLogCallback`'s class, a ``transformers.TrainerCallback`` (made once, when
+    transformers is imported)."""
+    global _callback
+    if _callback is None:
+        from transformers import TrainerCallback
+
+        _callback = type("PrecisionLogCallback", (_PrecisionLog, TrainerCallback), {"__module__": __name__})
+    return _callback
+
+
+_callback: type | None = None
+
+
+class _PrecisionLog:
+    """Puts into the logs of a transformers Trainer switched to mixprec what mixprec's Trainer logs:
+    ``precision_in_force`` in the first training log; ``loss_scale`` and ``skipped_steps`` where a
+    loss scaler runs; and a warning when steps were skipped. Observes only."""
+
+    def __init__(self) -> None:
+        self._accelerator: Accelerator | None = None
+        self._reported = False
+        self._skipped = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self._accelerator = _accelerator_of(optimizer)
+        self._reported = any("precision_in_force" in row for row in state.log_history)  # a resumed run's
+        self._skipped = state.log_history[-1].get("skipped_steps", 0) if state.log_history else 0
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        acc = self._accelerator
+        if acc is None or logs is None or "loss" not in logs:  # training logs only
+            return
+        extra = acc.precision.log_values()  # the loss scale and skips, where a scaler runs (syncs)
+        if not self._reported:
+            self._reported = True
+            report = acc.precision_report()  # observed in the steps so far, against the contract
+            extra["precision_in_force"] = report.line()
+            if not report.ok and acc.is_main_process:
+                _log.warning("mixprec: %s", report.line())
+        skipped = extra.get("skipped_steps", 0)
+        if skipped > self._skipped and acc.is_main_process:
+            _log.warning("mixprec: %d optimizer step(s) skipped since the last log for inf/NaN gradients; the loss "
+                         "scale is now %s", skipped - self._skipped, extra.get("loss_scale"))
+        self._skipped = skipped
+        logs.update(extra)  # the reporters and printers after this callback see them
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(extra)
