@@ -279,7 +279,10 @@ class PreparedDataLoader(DataLoader):
         self._skip = 0  # batches to skip at the start of the next epoch
         self._workers_started = False  # persistent workers running: torch draws no new base seed
         self._sharder: _ShardedBatchSampler | None = None
-        self._dispatch = bool(dispatch_batches) and world_size > 1
+        # Dispatched, as Accelerate's DataLoaderDispatcher (in one process it only reads, but its
+        # remainder is still the rows of the last batch, which gather_for_metrics keeps).
+        self._dispatch_asked = bool(dispatch_batches)
+        self._dispatch = self._dispatch_asked and world_size > 1
         self._split = bool(split_batches)
         self._dispatch_rows: int | None = None  # the rows of the last dispatched round (once reached)
         common = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
@@ -390,7 +393,7 @@ class PreparedDataLoader(DataLoader):
         ``len(dataset) % total_batch_size``; ``0`` when the dataset divides evenly; ``-1`` where it
         is not known (``drop_last``, a dataset without a length). Dispatched batches: the rows of
         the last round, known once it is reached (``-1`` before)."""
-        if self._dispatch:
+        if self._dispatch_asked:
             return self._dispatch_rows if self.end_of_dataloader and self._dispatch_rows is not None else -1
         if self.drop_last:
             return -1
@@ -496,9 +499,18 @@ class PreparedDataLoader(DataLoader):
         it = super().__iter__()
         if self._dispatch:
             it, skip = self._dispatched(it, skip), 0
+        elif self._dispatch_asked:
+            it = self._counting_rows(it)
         if sampler_skips:
             skip = 0  # skipped in the sampler already
         yield from _epoch(self, it, skip)
+
+    def _counting_rows(self, it: Iterator[Any]) -> Iterator[Any]:
+        """``it``'s batches, the rows of the latest noted (the last batch's, once it is reached)."""
+        self._dispatch_rows = None
+        for batch in it:
+            self._dispatch_rows = _rows(batch)
+            yield batch
 
     def _dispatched(self, it: Iterator[Any], skip: int) -> Iterator[Any]:
         """This process's slices of the batches process 0 reads from ``it``, by Accelerate's

@@ -37,8 +37,10 @@ class _SwitchedName(type):
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Accelerator:
         patch = _active
-        if patch is not None and patch.precision is not None:
-            kwargs["mixed_precision"] = patch.precision
+        if patch is not None:
+            if patch.precision is not None:
+                kwargs["mixed_precision"] = patch.precision
+            kwargs.update(patch.options)
         accelerator = Accelerator(*args, **kwargs)
         _BUILT[id(accelerator.state)] = accelerator
         return accelerator
@@ -60,10 +62,13 @@ class EnginePatch:
     Attributes:
         precision: the precision every Trainer trains in (a canonical mixprec name), or ``None``:
             what its TrainingArguments say (``fp16=True`` is real fp16-mixed, also on the CPU).
+        options: mixprec's own Accelerator arguments given to every Accelerator built
+            (``loss_scaler``, ``on_loss_scale_collapse``, ``precision_config``, ``diagnostics``...).
     """
 
-    def __init__(self, precision: str | None) -> None:
+    def __init__(self, precision: str | None, options: dict[str, Any]) -> None:
         self.precision = precision
+        self.options = options
 
     @property
     def active(self) -> bool:
@@ -98,7 +103,12 @@ def _transformers_trainer() -> Any:
     return hf_trainer
 
 
-def patch_transformers(precision: str | None = None) -> EnginePatch:
+#: The Accelerator's arguments that are mixprec's own (Accelerate's Trainer passes the others).
+ENGINE_OPTIONS = ("loss_scaler", "skip_nonfinite_steps", "on_loss_scale_collapse", "bf16_true_compensation",
+                  "bf16_true_state_dtype", "precision_config", "diagnostics", "ddp_comm_hook")
+
+
+def patch_transformers(precision: str | None = None, **options: Any) -> EnginePatch:
     """Make transformers' ``Trainer``, and every subclass of it (trl's, sentence-transformers'),
     train through :class:`mixprec.Accelerator`.
 
@@ -112,6 +122,10 @@ def patch_transformers(precision: str | None = None) -> EnginePatch:
             ``"auto"``, ``"fp16"``...), used over what the TrainingArguments say. ``None``:
             ``fp16=True`` / ``bf16=True`` decide, meaning what they mean in mixprec (fp16 on the
             CPU is real fp16, where Accelerate silently trains in fp32).
+        **options: mixprec's own :class:`~mixprec.Accelerator` arguments, for every Accelerator
+            built: ``loss_scaler`` (a dict: ``hysteresis``, ``min_scale``, ``max_consecutive_skips``...),
+            ``on_loss_scale_collapse="fallback"``, ``skip_nonfinite_steps``, ``precision_config``,
+            ``bf16_true_compensation``, ``bf16_true_state_dtype``, ``diagnostics``, ``ddp_comm_hook``.
 
     Returns:
         the :class:`EnginePatch` in force: ``.undo()`` restores Accelerate, and it is a context manager.
@@ -119,6 +133,7 @@ def patch_transformers(precision: str | None = None) -> EnginePatch:
     Raises:
         ImportError: transformers is not installed.
         ValueError: ``precision`` is not a precision name (the error lists the valid ones).
+        TypeError: an option that is not one of mixprec's own Accelerator arguments (listing them).
 
     Example:
         >>> import mixprec
@@ -126,6 +141,10 @@ def patch_transformers(precision: str | None = None) -> EnginePatch:
         ...     trl.SFTTrainer(model=model, args=args, train_dataset=data).train()
     """
     global _active
+    if unknown := sorted(set(options) - set(ENGINE_OPTIONS)):
+        raise TypeError(f"patch_transformers() got {', '.join(unknown)}: it takes mixprec's own Accelerator "
+                        f"arguments, {', '.join(ENGINE_OPTIONS)}; what Accelerate's Accelerator takes comes from "
+                        "the TrainingArguments")
     if precision is not None:
         precision = resolve_precision(precision).name if precision != "auto" else "auto"
     hf_trainer = _transformers_trainer()
@@ -135,8 +154,8 @@ def patch_transformers(precision: str | None = None) -> EnginePatch:
             hf_trainer.Accelerator = EngineAccelerator
             if _callback_class() not in hf_trainer.DEFAULT_CALLBACKS:
                 hf_trainer.DEFAULT_CALLBACKS.append(_callback_class())
-        _active = EnginePatch(precision) if _active is None else _active
-        _active.precision = precision
+        _active = EnginePatch(precision, options) if _active is None else _active
+        _active.precision, _active.options = precision, options
         return _active
 
 
@@ -186,11 +205,13 @@ class _PrecisionLog:
         self._accelerator: Accelerator | None = None
         self._reported = False
         self._skipped = 0
+        self._precision = ""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self._accelerator = _accelerator_of(optimizer)
         self._reported = any("precision_in_force" in row for row in state.log_history)  # a resumed run's
-        self._skipped = state.log_history[-1].get("skipped_steps", 0) if state.log_history else 0
+        self._skipped = next((row["skipped_steps"] for row in reversed(state.log_history) if "skipped_steps" in row), 0)
+        self._precision = self._accelerator.policy.name if self._accelerator is not None else ""
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         acc = self._accelerator
@@ -208,6 +229,8 @@ class _PrecisionLog:
             _log.warning("mixprec: %d optimizer step(s) skipped since the last log for inf/NaN gradients; the loss "
                          "scale is now %s", skipped - self._skipped, extra.get("loss_scale"))
         self._skipped = skipped
+        if acc.policy.name != self._precision:  # a loss-scale collapse made the run fall back
+            self._precision = extra["precision"] = acc.policy.name
         logs.update(extra)  # the reporters and printers after this callback see them
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
