@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import mixprec
+
 from toys import SCRIPTS, torchrun
 
 accelerate = pytest.importorskip("accelerate")

@@ -21,6 +21,7 @@ import os
 import sys
 
 import torch
+from accelerate import skip_first_batches  # the free function transformers' Trainer calls, on either
 from torch.utils.data import DataLoader, IterableDataset
 
 lib, out = sys.argv[1], sys.argv[2]
@@ -28,7 +29,6 @@ if lib == "mixprec":
     import mixprec as mod
 else:
     import accelerate as mod
-from accelerate import skip_first_batches  # the free function transformers' Trainer calls, on either
 
 
 class Stream(IterableDataset):
@@ -88,7 +88,7 @@ for name, config in (("default", {}), ("seedable", {"use_seedable_sampler": True
     torch.manual_seed(7)
     acc = accelerator(**config)
     dl = acc.prepare(DataLoader(list(range(24)), batch_size=3, shuffle=True))
-    for epoch in range(2):
+    for _epoch in range(2):
         for _ in dl:
             pass
     resumed = skip_first_batches(dl, 1)

@@ -16,6 +16,7 @@ import torch
 
 import mixprec
 from mixprec.trainer import engine
+
 from toys import SineRegressor, SineRows
 
 transformers = pytest.importorskip("transformers")
