@@ -207,6 +207,33 @@ def test_label_smoothing_gives_transformers_losses_and_weights_on_a_classifier(t
         torch.testing.assert_close(ours[1][k], theirs[1][k], rtol=1e-5, atol=1e-6)
 
 
+def _multi_label_bert() -> torch.nn.Module:
+    """A 1-layer BERT classifier for 3 labels at once (random weights, from a config: no download)."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=16, max_position_embeddings=16, num_labels=3,
+                                     problem_type="multi_label_classification", hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    return transformers.BertForSequenceClassification(config)
+
+
+def test_label_smoothing_on_a_multi_label_classifier_is_turned_off_with_transformers_warning(tmp_path, one_thread):
+    """``label_smoothing_factor`` meets a multi-label classifier (its labels are not one class to
+    smooth): both Trainers warn alike, turn smoothing off, and train to the same losses."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 32, (16, 6), generator=g), torch.randint(0, 2, (16, 3), generator=g).float()
+    data = [{"input_ids": x[i], "labels": y[i]} for i in range(16)]
+    runs = {}
+    for lib in (transformers, mixprec):
+        with pytest.warns(UserWarning, match=r"^Label smoothing is not compatible with multi-label classification\. "
+                                             r"Disabling label smoothing for this training run\.$"):
+            runs[lib.__name__] = _smoothed_run(lib, str(tmp_path / lib.__name__), _multi_label_bert(), data)
+    (their_losses, their_weights), (our_losses, our_weights) = runs.values()
+    assert len(our_losses) == 4 and our_losses == pytest.approx(their_losses, rel=1e-5)
+    for k in their_weights:
+        torch.testing.assert_close(our_weights[k], their_weights[k], rtol=1e-5, atol=1e-6)
+
+
 def test_label_smoothing_on_a_causal_lm_is_the_mean_over_the_tokens_that_have_a_target(tmp_path, one_thread):
     """The labels shifted, as transformers does; the smoothed loss averaged over the tokens that
     have a target (transformers divides its NLL part by every label, the unshifted count: a loss

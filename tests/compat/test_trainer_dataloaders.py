@@ -55,6 +55,50 @@ def test_a_persistent_workers_eval_loader_is_made_once_per_name_and_reused(tmp_p
     assert losses[0] == losses[1] and trainer.get_eval_dataloader("a") is first
 
 
+class _RowsWithANote(_Rows):
+    """:class:`SineRows` with a column the model's forward does not take (``note``)."""
+
+    def __getitem__(self, i: int) -> dict:
+        return {**super().__getitem__(i), "note": i}
+
+
+def test_each_loaders_dataset_is_the_one_passed_where_no_column_is_dropped_as_in_transformers(tmp_path):
+    """``get_train_dataloader().dataset`` (and the eval and test loaders') is the user's dataset
+    itself, not a wrapper, under both Trainers."""
+    for lib in (transformers, mixprec):
+        trainer = _trainer(lib, tmp_path)
+        train, evaluation, test = _Rows(), _Rows(), _Rows()
+        trainer.train_dataset, trainer.eval_dataset = train, evaluation
+        assert trainer.get_train_dataloader().dataset is train, lib
+        assert trainer.get_eval_dataloader().dataset is evaluation, lib
+        assert trainer.get_eval_dataloader(test).dataset is test, lib
+        assert trainer.get_test_dataloader(test).dataset is test, lib
+
+
+@pytest.mark.parametrize("collator", [None, "custom"])
+def test_columns_the_forward_does_not_take_are_still_dropped_from_the_batches_as_in_transformers(
+        collator, tmp_path, one_thread):
+    """A column the model's forward does not name never reaches it (the batch holds the forward's
+    columns and the labels), with the default collator and a custom one; the loader's dataset is
+    still the user's, as in transformers (whose collator drops them). The run trains."""
+    seen = []
+
+    def custom(samples):
+        seen.append(sorted(samples[0]))
+        return torch.utils.data.default_collate(samples)
+
+    for lib in (transformers, mixprec):
+        trainer = _trainer(lib, tmp_path, max_steps=2)
+        if collator:
+            trainer.data_collator = custom
+        trainer.train_dataset = trainer.eval_dataset = data = _RowsWithANote()
+        for dl in (trainer.get_train_dataloader(), trainer.get_eval_dataloader(), trainer.get_test_dataloader(data)):
+            assert dl.dataset is data, lib
+            assert sorted(next(iter(dl))) == ["labels", "x"], lib
+        assert trainer.train().global_step == 2, lib
+    assert not collator or seen and all(keys == ["labels", "x"] for keys in seen)
+
+
 class _Chain:
     """An iterable of batches from several loaders, one after the other (no DataLoader itself)."""
 

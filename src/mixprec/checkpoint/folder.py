@@ -19,7 +19,7 @@ import pickle
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -196,12 +196,14 @@ def is_complete_checkpoint(path: str | os.PathLike) -> bool:
     return True
 
 
-def checkpoint_problem(path: str | os.PathLike) -> str | None:
+def checkpoint_problem(path: str | os.PathLike, skip: Collection[str] = ()) -> str | None:
     """What makes ``path`` unloadable without reading its files (the manifest, and each file's
-    presence and size), or ``None``; a changed byte is found only by hashing (:func:`verify_checkpoint`)."""
+    presence and size), or ``None``; a changed byte is found only by hashing (:func:`verify_checkpoint`).
+    The files of ``skip`` (names the manifest lists) are not checked: the caller reads others in their place."""
     try:
         for rel, entry in read_manifest(path)["files"].items():
-            _check_size(Path(path), rel, entry)
+            if rel not in skip:
+                _check_size(Path(path), rel, entry)
     except CheckpointError as e:
         return str(e)
     return None
@@ -257,14 +259,15 @@ def rotate_checkpoints(root: str | os.PathLike, stem: str, limit: int | None, ke
             remaining -= 1
 
 
-def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Check every file against the manifest (size, then sha256); returns the manifest's ``files`` table.
+def verify_checkpoint(path: str | os.PathLike, skip: Collection[str] = ()) -> dict[str, Any]:
+    """Check every file against the manifest (size, then sha256), but those of ``skip``; returns
+    the manifest's ``files`` table.
 
     Raises:
         CheckpointError: naming the folder or the file that is missing, truncated or altered.
     """
     reader = CheckpointReader(path)
-    reader.check(reader.files)
+    reader.check([rel for rel in reader.files if rel not in skip])
     reader.verify()
     return reader.files
 

@@ -8,18 +8,22 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import safetensors.torch
 import torch
 
-from mixprec.checkpoint.folder import load_tensor_file
+from mixprec.checkpoint.folder import CheckpointError, load_tensor_file
 
-__all__ = ["WEIGHTS_NAMES", "find_weights", "load_model_weights", "parse_size", "save_model_weights", "untied"]
+__all__ = ["WEIGHTS_NAMES", "find_weights", "is_weights_file", "load_model_weights", "parse_size", "replacing_weights",
+           "save_model_weights", "untied"]
 
 #: The weights files Hugging Face writes, in the order its loaders look for them.
 WEIGHTS_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
+# A weights file under one of Hugging Face's names: whole, a shard (model-00001-of-00002.safetensors), an index.
+_WEIGHTS_FILE = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
 
 
 def parse_size(size: int | str) -> int:
@@ -142,3 +146,49 @@ def load_model_weights(model: torch.nn.Module, folder: Path, device: str | torch
     missing = [k for k, t in expected.items() if k not in loaded
                and not (t.numel() and (t.untyped_storage().data_ptr(), t.storage_offset()) in stored)]
     return missing, unexpected
+
+
+def is_weights_file(name: str) -> bool:
+    """Whether ``name`` (a file name, or a path relative to a checkpoint folder) is one of the model's
+    weights files under Hugging Face's names: whole, a shard or an index, safetensors or ``.bin``.
+
+    Example:
+        >>> [is_weights_file(n) for n in ("model-00001-of-00002.safetensors", "optimizer.pt", "sub/model.safetensors")]
+        [True, False, False]
+    """
+    return _WEIGHTS_FILE.fullmatch(name) is not None
+
+
+def replacing_weights(folder: str | os.PathLike, listed: Iterable[str]) -> list[Path] | None:
+    """The weights files that replaced the ``listed`` ones (the Hugging Face weights files a
+    checkpoint's manifest lists) in ``folder``, as :func:`find_weights` finds them.
+
+    The weights were replaced when a listed weights file is gone and a complete set of weights
+    that the manifest does not list wholly is there: re-saved by the user, as transformers' tests
+    do it (``save_pretrained(folder, max_shard_size=...)`` writes shards and an index, then the
+    whole ``model.safetensors`` is deleted), or the other way round, or as ``.bin``. ``None``
+    where every listed weights file is there (or none is listed), or where no weights are there
+    at all (then the checkpoint is damaged, and the missing file is what to report).
+
+    Raises:
+        CheckpointError: a listed file is gone and the weights there are incomplete (an index
+            names a shard that is not there) or not Hugging Face's; saying how to fix it.
+    """
+    folder = Path(folder)
+    listed = [name for name in listed if is_weights_file(name)]
+    if all((folder / name).is_file() for name in listed):
+        return None
+    try:
+        found = find_weights(folder)
+    except FileNotFoundError as e:
+        if not any((folder / name).is_file() for name in WEIGHTS_NAMES):
+            return None  # no weights at all: a listed file is missing, the damage the manifest reports
+        problem = str(e)
+    except ValueError as e:  # (an index that is not JSON, or not Hugging Face's)
+        problem = str(e)
+    else:
+        return None if all(p.name in listed for p in found) else found
+    raise CheckpointError(f"the model's weights in {folder} are not a complete set: {problem}. Its manifest lists "
+                          f"{', '.join(sorted(listed))}, which are not all there either: put the missing file back, "
+                          f"save the weights again (model.save_pretrained({str(folder)!r})), or resume from another "
+                          "checkpoint")

@@ -9,7 +9,9 @@ model's through its ``save_pretrained``, so ``config.json`` is there and weights
 ``training_args.bin``: transformers' Trainer resumes it. Where one is the same bytes as a file the
 Accelerator wrote it is a hard link to it (no second copy on disk). The Accelerator's one atomic
 commit writes the whole folder: the Hugging Face names are added in its staging folder, before the
-commit. Folders transformers' Trainer wrote resume too (:mod:`mixprec.trainer.transformers_checkpoints`).
+commit. Folders transformers' Trainer wrote resume too (:mod:`mixprec.trainer.transformers_checkpoints`),
+and so does a folder whose weights the user saved again in another of Hugging Face's layouts: those
+are read unverified, with a warning, and every other file is verified (:func:`replaced_weights`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import filecmp
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import safetensors.torch
 import torch
@@ -29,15 +31,24 @@ from mixprec.checkpoint.folder import (
     CheckpointReader,
     checkpoint_problem,
     numbered_checkpoints,
+    read_manifest,
     rotate_checkpoints,
     verify_checkpoint,
 )
-from mixprec.checkpoint.weights import find_weights, load_model_weights, save_model_weights
+from mixprec.checkpoint.weights import (
+    WEIGHTS_NAMES,
+    find_weights,
+    is_weights_file,
+    load_model_weights,
+    replacing_weights,
+    save_model_weights,
+)
 from mixprec.trainer.adapters import adapter_weight_files, is_peft_model, load_adapter_weights
 from mixprec.trainer.callbacks import log
 from mixprec.trainer.transformers_checkpoints import is_transformers_checkpoint, report_weights_load
 
-__all__ = ["checkpoints_to_resume", "list_checkpoints", "load_checkpoint_weights", "newest_damaged_error",
+__all__ = ["ReplacedWeights", "checkpoints_to_resume", "list_checkpoints", "load_checkpoint_weights",
+           "load_replaced_weights", "newest_damaged_error", "replaced_weights", "resume_problem",
            "rotate_checkpoints_of", "verify_trainer_files", "write_trainer_checkpoint"]
 
 STEM = "checkpoint-"
@@ -72,7 +83,8 @@ def checkpoints_to_resume(out: Path, resume: str | bool) -> list[Path]:
 
     A folder transformers' Trainer wrote (no mixprec manifest, its ``trainer_state.json`` and
     weights: :func:`~mixprec.trainer.transformers_checkpoints.is_transformers_checkpoint`) is a
-    checkpoint too; it has no manifest to verify.
+    checkpoint too; it has no manifest to verify. Weights re-saved in another Hugging Face layout
+    (:func:`replaced_weights`) do not make a checkpoint damaged (:func:`resume_problem`).
 
     Raises:
         ValueError: with Hugging Face's wording ("No valid checkpoint found in output directory",
@@ -90,7 +102,7 @@ def checkpoints_to_resume(out: Path, resume: str | bool) -> list[Path]:
         newest = found[-1]
         if is_transformers_checkpoint(newest):
             return [newest]
-        problem = checkpoint_problem(newest)
+        problem = resume_problem(newest)
         if problem is not None:
             raise newest_damaged_error(out, newest, problem)
         return [newest]
@@ -104,7 +116,7 @@ def checkpoints_to_resume(out: Path, resume: str | bool) -> list[Path]:
                          "trainer_state.json and model weights (model.safetensors, its shards and index, or "
                          "pytorch_model.bin) of a checkpoint transformers' Trainer wrote (half-written, or not a "
                          "checkpoint); resume from another checkpoint, or start a new run")
-    problem = checkpoint_problem(path)
+    problem = resume_problem(path)
     if problem is not None:
         raise CheckpointError(problem)
     return [path]
@@ -118,7 +130,8 @@ def newest_damaged_error(out: Path, newest: Path, problem: str) -> CheckpointErr
         if older == newest:
             continue
         try:
-            verify_checkpoint(older)
+            replaced = replaced_weights(older)
+            verify_checkpoint(older, skip=replaced.listed if replaced is not None else ())
         except CheckpointError:
             continue
         fix = (f"the newest checkpoint that verifies is {older}: resume from it with "
@@ -127,6 +140,68 @@ def newest_damaged_error(out: Path, newest: Path, problem: str) -> CheckpointErr
         break
     return CheckpointError(f"the newest checkpoint, {newest}, is damaged: {problem}. Not resuming from an older one "
                            f"without being told: {fix}")
+
+
+class ReplacedWeights(NamedTuple):
+    """The model's weights of a checkpoint, re-saved in another Hugging Face layout (:func:`replaced_weights`)."""
+
+    #: The weights files the manifest lists (some gone): not verified, not read.
+    listed: list[str]
+    #: The weights files there now, read in their place (tensors only, unverified).
+    files: list[Path]
+    #: What names them: the whole file, or the index of the shards.
+    source: str
+
+
+def replaced_weights(checkpoint: Path) -> ReplacedWeights | None:
+    """The weights that replaced those the manifest of the mixprec checkpoint ``checkpoint`` lists
+    under Hugging Face's names, as transformers' Trainer would load them: the user re-saved them
+    (``model.save_pretrained(checkpoint, max_shard_size=...)`` writes shards and an index; the whole
+    ``model.safetensors`` then deleted), or the other way round, or as ``pytorch_model.bin``.
+    ``None`` where the listed weights are all there (a changed byte in them is damage, as in any
+    other file), or none are (the missing file is the damage).
+
+    Raises:
+        CheckpointError: the manifest is damaged, or a listed weights file is gone and the set
+            there is incomplete (a shard missing), with the fix.
+    """
+    listed = [rel for rel in read_manifest(checkpoint)["files"] if is_weights_file(rel)]
+    files = replacing_weights(checkpoint, listed)
+    if files is None:
+        return None
+    return ReplacedWeights(listed, files, next(n for n in WEIGHTS_NAMES if (checkpoint / n).is_file()))
+
+
+def resume_problem(checkpoint: Path) -> str | None:
+    """What makes the mixprec checkpoint ``checkpoint`` unfit to resume from, without reading its
+    files (:func:`~mixprec.checkpoint.folder.checkpoint_problem`), or ``None``; weights re-saved in
+    another Hugging Face layout (:func:`replaced_weights`) are not held against it, every other
+    file is checked."""
+    try:
+        replaced = replaced_weights(checkpoint)
+    except CheckpointError as e:
+        return str(e)
+    return checkpoint_problem(checkpoint, skip=replaced.listed if replaced is not None else ())
+
+
+def load_replaced_weights(model: torch.nn.Module, checkpoint: Path, device: torch.device | str) -> bool:
+    """Load into ``model`` the weights re-saved in ``checkpoint`` in place of those its manifest
+    lists (:func:`replaced_weights`), as transformers' Trainer would read them: unverified, as
+    tensors only, with a warning naming them. ``False`` (nothing read) where they were not replaced.
+
+    Raises:
+        CheckpointError: the re-saved set is incomplete, or a ``.bin`` holds more than tensors.
+    """
+    replaced = replaced_weights(checkpoint)
+    if replaced is None:
+        return False
+    shards = [p.name for p in replaced.files if p.name != replaced.source]
+    log.warning("mixprec: the model's weights in %s were saved again: %s%s in place of %s, which its %s lists, so "
+                "they cannot be verified; reading them as tensors only (safetensors, torch.load(weights_only=True)). "
+                "Every other file of the checkpoint is verified", checkpoint, replaced.source,
+                f" (shards {', '.join(shards)})" if shards else "", ", ".join(replaced.listed), MANIFEST)
+    report_weights_load(checkpoint, *load_model_weights(model, checkpoint, device=device))
+    return True
 
 
 def verify_trainer_files(checkpoint: Path) -> None:
@@ -146,7 +221,8 @@ def load_checkpoint_weights(model: torch.nn.Module, checkpoint: Path, device: to
     """Load the model's weights of ``checkpoint`` into ``model`` (``load_best_model_at_end``).
 
     A mixprec checkpoint: the Accelerator's ``model_0.safetensors`` (else Hugging Face's files
-    there), each checked against the manifest before it is read. A folder transformers' Trainer
+    there), each checked against the manifest before it is read; but weights re-saved there in
+    another Hugging Face layout (:func:`load_replaced_weights`). A folder transformers' Trainer
     wrote: ``model.safetensors``, its shards with their index, or ``pytorch_model.bin``
     (``torch.load(weights_only=True)``), unverified (no manifest; said in a log line). A peft
     model's: its adapter (``adapter_model.safetensors``), as transformers reloads the best adapter.
@@ -160,6 +236,8 @@ def load_checkpoint_weights(model: torch.nn.Module, checkpoint: Path, device: to
         load_adapter_weights(model, checkpoint)  # (checked against the manifest where there is one)
         return
     if (checkpoint / MANIFEST).is_file():
+        if load_replaced_weights(model, checkpoint, device):
+            return
         reader = CheckpointReader(checkpoint)
         if "model_0.safetensors" in reader.files:
             reader.check("model_0.safetensors")

@@ -21,7 +21,7 @@ from mixprec.data import collate
 from mixprec.models import original_forward
 from mixprec.trainer.adapters import model_to_inspect
 
-__all__ = ["prepare_dataset", "model_input_names", "collate"]  # collate: re-exported from mixprec.data
+__all__ = ["collate", "drop_unused_columns", "model_input_names", "prepare_dataset"]  # collate: re-exported from mixprec.data
 
 
 def model_input_names(model: torch.nn.Module) -> tuple[list[str], bool]:
@@ -84,18 +84,18 @@ class _HFDataset(Dataset):
         return [{k: v[j] for k, v in batch.items()} for j in range(len(indices))]  # ragged: collate per sample
 
 
-class _Filtered(Dataset):
-    """A dict-sample dataset with some keys dropped (the columns the model does not take)."""
+class _DropColumns:
+    """A collate function that first drops the keys of each dict sample the model does not take,
+    then calls ``collate_fn``: transformers' ``RemoveColumnsCollator``. The dataset stays the
+    user's (``dataloader.dataset`` is what was passed), as in transformers. Picklable where
+    ``collate_fn`` is (worker processes started by ``spawn``)."""
 
-    def __init__(self, ds: Dataset, keep: Callable[[str], bool]) -> None:
-        self.ds, self.keep = ds, keep
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], allowed: frozenset[str]) -> None:
+        self.collate_fn, self.allowed = collate_fn, allowed
 
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, i: int) -> Any:
-        s = self.ds[i]
-        return {k: v for k, v in s.items() if self.keep(k)} if isinstance(s, Mapping) else s
+    def __call__(self, samples: list[Any]) -> Any:
+        return self.collate_fn([{k: v for k, v in s.items() if k in self.allowed} if isinstance(s, Mapping) else s
+                                for s in samples])
 
 
 def _is_hf_dataset(ds: Any) -> bool:
@@ -117,9 +117,45 @@ def _stack_columns(samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor] 
     return columns
 
 
+def _kept_columns(model: torch.nn.Module, label_names: list[str]) -> tuple[list[str], frozenset[str] | None]:
+    """The names of ``model.forward``'s arguments, and the columns a dataset keeps for it: those
+    and the labels (``None``: every column, the forward takes ``**kwargs``)."""
+    names, takes_kwargs = model_input_names(model)
+    return names, None if takes_kwargs else frozenset(names) | set(label_names) | {"label", "label_ids", "labels"}
+
+
+def _fetched_by_sample(dataset: Any) -> bool:
+    """Whether the loader fetches ``dataset`` one sample at a time (a map-style dataset without
+    ``__getitems__``): its unused columns are then dropped from each sample as it is collated."""
+    return (not isinstance(dataset, IterableDataset) and hasattr(dataset, "__getitem__")
+            and not hasattr(dataset, "__getitems__"))
+
+
+def drop_unused_columns(collate_fn: Callable[[list[Any]], Any], dataset: Any, model: torch.nn.Module, *,
+                        remove_unused_columns: bool, label_names: list[str]) -> Callable[[list[Any]], Any]:
+    """``collate_fn``, dropping first the columns ``model`` does not take from each dict sample
+    where ``dataset`` (as :func:`prepare_dataset` returned it) is fetched a sample at a time, as
+    transformers' ``RemoveColumnsCollator`` does (the other datasets lose them in
+    :func:`prepare_dataset`); ``collate_fn`` itself where nothing is to be dropped.
+
+    Example:
+        >>> class Net(torch.nn.Module):
+        ...     def forward(self, x, labels=None): ...
+        >>> fn = drop_unused_columns(lambda s: s, range(1), Net(), remove_unused_columns=True, label_names=[])
+        >>> fn([{"x": 1, "labels": 0, "text": "a"}])
+        [{'x': 1, 'labels': 0}]
+    """
+    if not remove_unused_columns or _is_hf_dataset(dataset) or not _fetched_by_sample(dataset):
+        return collate_fn
+    _, kept = _kept_columns(model, label_names)
+    return collate_fn if kept is None else _DropColumns(collate_fn, kept)
+
+
 def prepare_dataset(dataset: Any, model: torch.nn.Module, *, remove_unused_columns: bool,
                     label_names: list[str], custom_collator: bool) -> Dataset:
-    """Adapt ``dataset`` for fast batched fetching and drop the columns the model cannot take.
+    """Adapt ``dataset`` for fast batched fetching and drop the columns the model cannot take (from
+    a dataset fetched a sample at a time, which is returned as it is, they are dropped as the
+    samples are collated: :func:`drop_unused_columns`).
 
     Args:
         dataset: a torch ``Dataset``/``IterableDataset``, a list of dicts (or of tuples), or a
@@ -130,11 +166,10 @@ def prepare_dataset(dataset: Any, model: torch.nn.Module, *, remove_unused_colum
         custom_collator: the user gave a ``data_collator``; samples are then handed to it one by
             one as dicts, so no stacking is done here.
     """
-    names, takes_kwargs = model_input_names(model)
-    allowed = set(names) | set(label_names) | {"label", "label_ids", "labels"}
+    names, kept = _kept_columns(model, label_names)
 
     def keep(column: str) -> bool:
-        return not remove_unused_columns or takes_kwargs or column in allowed
+        return not remove_unused_columns or kept is None or column in kept
 
     if _is_hf_dataset(dataset):
         unused = [c for c in dataset.column_names if not keep(c)]
@@ -159,7 +194,4 @@ def prepare_dataset(dataset: Any, model: torch.nn.Module, *, remove_unused_colum
                                             for j in range(len(dataset[0]))))
             except (RuntimeError, TypeError, ValueError):
                 pass
-    if remove_unused_columns and not takes_kwargs and hasattr(dataset, "__getitem__") \
-            and not hasattr(dataset, "__getitems__"):
-        return _Filtered(dataset, keep)
-    return dataset
+    return dataset  # (one fetched a sample at a time loses its unused columns as it is collated)

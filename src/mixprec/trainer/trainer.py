@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Generator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -25,7 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from mixprec.accelerator.accelerator import Accelerator
 from mixprec.accelerator.configs import DataLoaderConfiguration, GradientAccumulationPlugin
 from mixprec.accelerator.utils import find_executable_batch_size, set_seed
-from mixprec.checkpoint.folder import CheckpointError, checkpoint_problem
+from mixprec.checkpoint.folder import CheckpointError
 from mixprec.checkpoint.lock import RunLock
 from mixprec.checkpoint.transformers_rng import set_transformers_rng_state
 from mixprec.data import PreparedDataLoader
@@ -47,12 +48,14 @@ from mixprec.trainer.callbacks import (
 from mixprec.trainer.checkpoints import (
     checkpoints_to_resume,
     load_checkpoint_weights,
+    load_replaced_weights,
     newest_damaged_error,
+    resume_problem,
     rotate_checkpoints_of,
     verify_trainer_files,
     write_trainer_checkpoint,
 )
-from mixprec.trainer.datasets import collate, model_input_names, prepare_dataset
+from mixprec.trainer.datasets import collate, drop_unused_columns, model_input_names, prepare_dataset
 from mixprec.trainer.evaluation import (
     EvalLoopOutput,
     EvalPrediction,
@@ -172,8 +175,9 @@ class Trainer:
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.model_accepts_loss_kwargs = False  # the loss is the model's mean: no num_items_in_batch is passed
         self._set_transformers_attributes()
-        #: transformers' ``LabelSmoother`` for ``label_smoothing_factor`` (``None`` without smoothing).
-        self.label_smoother = _label_smoother(self.args.label_smoothing_factor)
+        #: transformers' ``LabelSmoother`` for ``label_smoothing_factor`` (``None`` without smoothing,
+        #: and on a multi-label classifier, with transformers' warning).
+        self.label_smoother = _label_smoother(self.args.label_smoothing_factor, self.model)
         self._train_batch_size = self.args.train_batch_size  # (auto_find_batch_size lowers it)
         if (self.args.log_level if self.args.should_log else self.args.log_level_replica) != "passive":
             set_verbosity(self.args.get_process_log_level())  # mixprec's logger and transformers', as it does
@@ -296,7 +300,9 @@ class Trainer:
         a = self.args
         ds = prepare_dataset(dataset, self.model, remove_unused_columns=a.remove_unused_columns,
                              label_names=self.label_names, custom_collator=self.data_collator is not None)
-        kwargs: dict[str, Any] = dict(batch_size=batch_size, collate_fn=self.data_collator or collate,
+        collate_fn = drop_unused_columns(self.data_collator or collate, ds, self.model,
+                                         remove_unused_columns=a.remove_unused_columns, label_names=self.label_names)
+        kwargs: dict[str, Any] = dict(batch_size=batch_size, collate_fn=collate_fn,
                                       num_workers=a.dataloader_num_workers, drop_last=a.dataloader_drop_last)
         if a.dataloader_pin_memory and self.accelerator.device.type == "cuda":
             kwargs["pin_memory"] = True
@@ -529,7 +535,9 @@ class Trainer:
         otherwise a damaged checkpoint raises, ``True``'s naming the newest that verifies. A folder
         transformers' Trainer wrote has no manifest to verify: it is read as tensors only
         (:func:`load_transformers_checkpoint`), and ``self._transformers_resume`` holds its random
-        state (``{}`` without one) until the loop starts."""
+        state (``{}`` without one) until the loop starts. In a mixprec checkpoint whose weights were
+        saved again in another Hugging Face layout, those are read in the same way, with a warning,
+        and every other file is verified (:func:`load_replaced_weights`)."""
         acc = self.accelerator
         self._transformers_resume: dict[str, Any] | None = None
         for path in candidates:
@@ -543,10 +551,12 @@ class Trainer:
                                  "cannot resume from it; load the weights (from_pretrained, or a Trainer's "
                                  "load_best_model_at_end) and start a new run, or save with save_only_model=False")
             try:
-                problem = checkpoint_problem(path) if resume == "auto" else None
+                problem = resume_problem(path) if resume == "auto" else None
                 if problem is None:
                     acc.load_state(path)
                     verify_trainer_files(path)
+                    # Weights the user saved again in another Hugging Face layout: theirs, as transformers reads them.
+                    load_replaced_weights(acc.unwrap_model(self.model, keep_torch_compile=False), path, acc.device)
                     if restarted > 0:
                         log.warning("mixprec: restart %d of this run (torchrun); resuming from %s", restarted, path)
                     return path
@@ -1281,9 +1291,16 @@ def enable_full_determinism(seed: int) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def _label_smoother(epsilon: float) -> Any:
-    """transformers' ``LabelSmoother(epsilon)``, or ``None`` for no smoothing."""
+def _label_smoother(epsilon: float, model: torch.nn.Module) -> Any:
+    """transformers' ``LabelSmoother(epsilon)``, or ``None`` for no smoothing; as transformers' Trainer,
+    ``None`` with its ``UserWarning`` for a multi-label classifier (``model.config.problem_type ==
+    "multi_label_classification"``), whose labels are not one class index to smooth."""
     if not epsilon:
+        return None
+    if getattr(getattr(model, "config", None), "problem_type", None) == "multi_label_classification":
+        # transformers' words and category; stacklevel: the line that made the Trainer.
+        warnings.warn("Label smoothing is not compatible with multi-label classification. "
+                      "Disabling label smoothing for this training run.", UserWarning, stacklevel=3)
         return None
     try:
         from transformers.trainer_pt_utils import LabelSmoother
