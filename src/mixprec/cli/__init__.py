@@ -8,9 +8,9 @@ import sys
 import warnings
 from collections.abc import Iterator
 
-from mixprec.cli import bench, demo, doctor, env, train
+from mixprec.cli import bench, demo, doctor, env, run, train
 
-_SUBCOMMANDS = {"demo": demo, "train": train, "bench": bench, "doctor": doctor, "env": env}
+_SUBCOMMANDS = {"demo": demo, "train": train, "bench": bench, "doctor": doctor, "env": env, "run": run}
 
 __all__ = ["main", "build_parser"]
 
@@ -64,7 +64,12 @@ def _run(argv: list[str] | None) -> int:
     config = None
     if len(argv) > 1 and argv[0] in ("train", "doctor") and not argv[1].startswith("-"):
         config = argv.pop(1)
+    target = None
+    if argv and argv[0] == "run":  # what follows the script is the script's, not ours
+        argv, target = run.split_argv(argv)
     args, extra = parser.parse_known_args(argv)
+    if target is not None:
+        args.target = target
     if config is not None:
         args.config = config
     if args.command is None:

@@ -119,7 +119,10 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
     gather = trainer.gather_function
     batch_result: dict[str, float] | None = None
     start, n, batches = time.time(), 0, 0
-    for inputs, last in _with_last(dl):
+    for inputs in dl:
+        # Asked of the loader, which knows it when it yields the batch; not by looking one batch ahead:
+        # gather_for_metrics reads the loader's state, which must be this batch's.
+        last = _is_last(dl, batches)
         loss, logits, label = trainer.prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         bs = _batch_size(inputs)
         if loss is not None:
@@ -165,17 +168,16 @@ def evaluation_loop(trainer: Evaluated, dl: Any, ignore_keys: list[str] | None, 
     return EvalLoopOutput(predictions, label_ids, metrics, n_gathered)
 
 
-def _with_last(items: Any) -> Any:
-    """``(item, is_last)`` for each item, looking one ahead."""
-    it = iter(items)
+def _is_last(dl: Any, index: int) -> bool:
+    """Whether the batch ``dl`` just yielded (the ``index``-th) is its last: a prepared loader's
+    ``end_of_dataloader``, else by its length (``False`` where it has none)."""
+    end = getattr(dl, "end_of_dataloader", None)
+    if end is not None:
+        return bool(end)
     try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield prev, False
-        prev = item
-    yield prev, True
+        return index == len(dl) - 1
+    except TypeError:
+        return False
 
 
 def _batch_size(inputs: Any) -> int:

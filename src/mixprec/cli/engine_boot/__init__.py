@@ -1,0 +1,1 @@
+"""What ``mixprec run`` puts first on the ``PYTHONPATH`` of the processes it starts."""
