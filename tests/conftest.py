@@ -5,6 +5,11 @@ holds what pytest itself must see.
 
 * ``@pytest.mark.gpu`` is the one mechanism for tests that need CUDA: they are skipped, with the
   reason, where ``torch.cuda.is_available()`` is false, and run unchanged on a GPU machine.
+* The reference packages (``REFERENCES``: the installed transformers, accelerate, peft, torchao,
+  datasets, schedulefree and trl the differential tests take their expected values from): a test
+  whose reference is missing is skipped, except where ``MIXPREC_REQUIRE_REFERENCES=1`` (``.ci/run``
+  sets it), where a missing one is an error that names it and the fix: the run stops before its
+  first test, and a skip for a missing part of one (``torchao.float8``) is a failure.
 * ``one_thread``: torch's intra-op threads limited to 1 for the test, restored after (many
   small steps, where a second thread only adds waiting on a shared machine).
 * After each test, Accelerate's process-wide state (``PartialState``, ``AcceleratorState``), which
@@ -14,6 +19,9 @@ holds what pytest itself must see.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import re
 import sys
 
 import pytest
@@ -27,6 +35,52 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+#: The packages the differential tests compare against: a test whose reference is missing skips, or,
+#: where REQUIRE is set (CI), fails. ``pip install -e ".[dev]"`` installs them all.
+REFERENCES = ("transformers", "accelerate", "peft", "torchao", "datasets", "schedulefree", "trl")
+REQUIRE = "MIXPREC_REQUIRE_REFERENCES"
+FIX = 'install the test extras: pip install -e ".[dev]"'
+
+
+def _references_required() -> bool:
+    return os.environ.get(REQUIRE, "") not in ("", "0")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _references_required():
+        return
+    missing = [name for name in REFERENCES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise pytest.UsageError(f"{REQUIRE} is set, and these reference packages are not installed: "
+                                f"{', '.join(missing)} (the tests that compare against them would be skipped); {FIX}")
+
+
+def _skip_for_a_missing_reference(report: pytest.CollectReport | pytest.TestReport) -> None:
+    """Where REQUIRE is set, turn ``report``, a skip for a missing reference module (a part of an
+    installed package: ``torchao.float8``), into a failure that names it and the fix."""
+    if not (report.skipped and _references_required()):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    missing = re.search(r"could not import '([\w.]+)'", reason)
+    if missing and missing[1].split(".")[0] in REFERENCES:
+        report.outcome = "failed"
+        report.longrepr = f"{REQUIRE} is set, and the reference module {missing[1]} is missing ({reason}); {FIX}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    report = yield
+    _skip_for_a_missing_reference(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    _skip_for_a_missing_reference(report)
+    return report
 
 
 @pytest.fixture

@@ -319,3 +319,16 @@ def test_when_the_measured_rule_misses_and_the_default_passes_the_verified_defau
     got = verify_float8(layers, rec, lambda keep: 1.5 if "a" in keep else 1.0, bf16_loss=1.0, tolerance=0.02)
     assert got["fp8"] and set(got["keep_in_bf16"]) == {"first", "last"} and len(got["probes"]) == 2
     assert "the measured rule's filter ended +50.00%, so torchao's default is kept" in got["reason"]
+
+
+def test_a_probe_between_one_and_two_tolerances_above_bf16_misses_and_one_at_the_tolerance_passes():
+    """The verdict's bound is the tolerance itself: a filter ending 1.5x the tolerance above bf16-mixed
+    misses (a looser bound, even 2x, would let it pass), one ending exactly at it passes."""
+    layers = _layers(a=0.5)
+    rec = {"recipe": "tensorwise", "keep_in_bf16": {"first": "", "last": ""}}
+    # (0.25 and 1.375 are exact binary fractions: the gaps are exactly 1x and 1.5x the tolerance)
+    refused = verify_float8(layers, rec, lambda keep: 1.375, bf16_loss=1.0, tolerance=0.25)
+    assert [p["gap"] for p in refused["probes"]] == [0.375] and not refused["probes"][0]["within"]
+    assert not refused["fp8"] and "no filter came within 25.00%" in refused["reason"]
+    passed = verify_float8(layers, rec, lambda keep: 1.25, bf16_loss=1.0, tolerance=0.25)
+    assert passed["fp8"] and passed["probes"][0]["within"] and passed["probes"][0]["gap"] == 0.25

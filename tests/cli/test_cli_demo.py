@@ -8,6 +8,7 @@ import re
 import struct
 
 import pytest
+import torch
 
 from mixprec.cli import main
 
@@ -70,6 +71,38 @@ def test_where_no_16_bit_format_is_native_the_demo_runs_fp16_and_shows_the_loss_
     assert "would have flushed to zero in fp16" in printed and "val loss:" in printed
     assert json.loads((out / "summary.json").read_text())["mixed"]["precision"] == "fp16-mixed"
     assert _png_size(out / "demo.png") == (13 * 110, round(4.5 * 110))  # loss, and the loss scale over steps
+
+
+@pytest.mark.slow
+def test_the_demo_scores_and_samples_the_model_it_trained_which_beats_an_untrained_one_and_always_a_space(
+        tmp_path, capsys):
+    """What the demo writes of what its model learned is its trained model's: the next-byte accuracy it
+    prints and records is the checkpoint's, above the untrained model's and above always guessing a
+    space (120 steps of 32 blocks in fp32, quick on any CPU, learn more than the most common byte), and
+    its sample is text (an untrained model's, sampled from near-uniform bytes, is mostly not)."""
+    import safetensors.torch
+
+    from mixprec.apps.demo import EVAL_BLOCKS, demo_task, next_byte_accuracy
+
+    out = tmp_path / "learned"
+    assert main(["demo", *SMALL, "--precision", "fp32", "--steps", "120", "--fp32-steps", "4", "--batch-size", "32",
+                 "--no-progress", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    found = re.search(r"guessed right on the validation slice: ([\d.]+)% \(the untrained model: ([\d.]+)%; always "
+                      r"guessing a space: ([\d.]+)%\)", printed)
+    assert found, printed
+    trained, untrained, space = map(float, found.groups())
+    assert trained > untrained and trained >= space + 2, found[0]
+    task = demo_task("tiny", 200_000, 8_000)
+    model = task.build_model()
+    summary = json.loads((out / "summary.json").read_text())
+    safetensors.torch.load_model(model, f"{summary['mixed']['checkpoint']}/model_0.safetensors")
+    checkpoint = next_byte_accuracy(model, torch.utils.data.Subset(task.eval_dataset, range(EVAL_BLOCKS)))
+    assert summary["mixed"]["next_byte_accuracy"] == pytest.approx(checkpoint, abs=2e-3)
+    assert trained == pytest.approx(100 * checkpoint, abs=0.15)
+    sample = (out / "sample.txt").read_text(errors="replace")
+    assert sample.startswith("def ") and len(sample) > 200
+    assert sum(c.isascii() and (c.isprintable() or c in "\n\t") for c in sample) > 0.95 * len(sample), sample
 
 
 def test_demo_rejects_a_bad_precision_on_stderr(capsys):

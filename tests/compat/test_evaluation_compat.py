@@ -142,3 +142,32 @@ def test_gather_function_and_is_fsdp_enabled_follow_the_accelerator_a_new_model_
     trainer.train()
     assert trainer.accelerator is not first and trainer.gather_function.func.__self__ is trainer.accelerator
     assert trainer.is_fsdp_enabled is False and "eval_loss" in trainer.evaluate()
+
+
+@pytest.mark.parametrize("lib", [transformers, mixprec], ids=["transformers", "mixprec"])
+def test_the_evaluation_loop_gathers_each_batchs_predictions_and_labels_through_trainer_gather_function(lib, tmp_path):
+    """``trainer.gather_function`` (what transformers' evaluation loop calls, and code that gathers
+    otherwise replaces) is called with each batch's predictions and labels, and what it returns is
+    what ``compute_metrics`` receives: a gather marked +1000 shows in both."""
+    seen, calls = {}, []
+
+    def metrics(p):
+        seen["predictions"], seen["labels"] = p.predictions, p.label_ids
+        return {}
+
+    def gather(tensor):
+        calls.append(tensor.detach().clone())
+        return tensor + 1000
+
+    rows = SineRows()
+    trainer = lib.Trainer(model=SineRegressor(), args=_args(lib, tmp_path, per_device_eval_batch_size=16),
+                          eval_dataset=rows, compute_metrics=metrics)
+    trainer.gather_function = gather
+    trainer.evaluate()
+    with torch.no_grad():
+        predictions = SineRegressor()(rows.x, rows.y)["logits"]
+    for batch in (slice(0, 16), slice(16, 32), slice(32, 40)):
+        assert any(c.shape == rows.y[batch].shape and torch.equal(c, rows.y[batch]) for c in calls), batch
+        assert any(c.shape == predictions[batch].shape and torch.allclose(c, predictions[batch]) for c in calls), batch
+    assert torch.equal(torch.as_tensor(seen["labels"]), rows.y + 1000)
+    assert torch.allclose(torch.as_tensor(seen["predictions"]), predictions + 1000)

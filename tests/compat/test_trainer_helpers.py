@@ -102,3 +102,75 @@ def test_the_last_seven_names_of_transformers_trainer_behave_as_documented(tmp_p
     scaled.train()
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(plain.model.parameters(),
                                                                          scaled.model.parameters()))
+
+
+def _plain_values(trainer) -> dict[str, object]:
+    """The trainer's public attributes whose values are plain data (None, a bool, number or string,
+    or a list of strings): what user code reads and compares (``trainer.is_in_train``)."""
+    values = {}
+    for name in dir(trainer):
+        if name.startswith("_"):
+            continue
+        try:
+            value = getattr(trainer, name)
+        except Exception:  # (a property with nothing to answer yet)
+            continue
+        if value is None or isinstance(value, (bool, int, float, str)) or (
+                isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            values[name] = value
+    return values
+
+
+#: transformers leaves these None where no FSDP is configured, mixprec says False: compared by truth.
+_TRUTH_ONLY = {"is_fsdp_xla_enabled", "is_fsdp_xla_v1_enabled", "is_fsdp_xla_v2_enabled"}
+#: Values mixprec holds on purpose, whatever transformers' are: each pinned, with why.
+_OURS = {"model_accepts_loss_kwargs": False}  # its loop passes no num_items_in_batch: the loss is the model's mean
+
+
+def _values_over_a_run(lib, out) -> dict[str, dict[str, object]]:
+    """:func:`_plain_values` of ``lib``'s Trainer at each point of a run with evaluations: made, the
+    training's first event, the first step's end, the first evaluation in training, after training,
+    and an evaluation after it."""
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    data = [{"input_ids": torch.arange(8) % 64, "labels": torch.arange(8) % 64} for _ in range(10)]
+    seen: dict[str, dict] = {}
+    phase = "in train"
+
+    class Reader(lib.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            seen["on_train_begin"] = _plain_values(trainer)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.setdefault("on_step_end", _plain_values(trainer))
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            seen.setdefault(f"on_evaluate {phase}", _plain_values(trainer))
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = lib.TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=3,
+                                     use_cpu=True, report_to="none", max_steps=2, eval_strategy="steps", eval_steps=1,
+                                     save_strategy="no", disable_tqdm=True)
+        trainer = lib.Trainer(model=transformers.GPT2LMHeadModel(cfg), args=args, train_dataset=data,
+                              eval_dataset=data[:4], callbacks=[Reader()])
+        seen["made"] = _plain_values(trainer)
+        trainer.train()
+        seen["after train"] = _plain_values(trainer)
+        phase = "after train"
+        trainer.evaluate()
+    return seen
+
+
+def test_the_trainers_attributes_hold_transformers_values_before_during_and_after_a_run(tmp_path):
+    """Read at each point of a run, every plain-valued attribute transformers' Trainer has holds the
+    same value on mixprec's: is_in_train True inside train() only, the gradient accumulation steps of
+    the current step, the step's flos, can_return_loss, label_names, ..."""
+    theirs, ours = (_values_over_a_run(lib, tmp_path / lib.__name__) for lib in (transformers, mixprec))
+    assert list(ours) == list(theirs)
+    assert [ours[at]["is_in_train"] for at in ours] == [False, True, True, True, False, False]
+    for at, values in theirs.items():
+        assert values, at
+        for name, value in values.items():
+            mine, expected = ours[at].get(name, "<missing>"), _OURS.get(name, value)
+            assert (bool(mine) == bool(value) if name in _TRUTH_ONLY else mine == expected), (at, name, value, mine)

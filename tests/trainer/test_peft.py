@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import mixprec
 from mixprec import Accelerator, Trainer, TrainingArguments
 from mixprec.trainer.datasets import model_input_names
 
@@ -207,29 +208,61 @@ def test_load_best_model_at_end_reloads_the_best_adapter_as_transformers_does(tm
     same_adapter(our_adapter, adapter_of(peft.PeftModel.from_pretrained(gpt2(), str(best))))
 
 
-def resume_run(trainer_cls: type, args_cls: type, out: Path, resume=None):
+class ResumeSeen:
+    """What a run saw as it began (after any checkpoint was loaded: the step, the adapter) and how many
+    optimizer steps it then trained: the proof that a run resumed, which its end alone is not (a run
+    started over from the same seed and data order ends on the same adapter)."""
+
+    def __init__(self, lib) -> None:
+        seen = self
+
+        class Recorder(lib.TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                seen.start_step, seen.start_adapter, seen.steps = state.global_step, adapter_of(model), 0
+
+            def on_step_end(self, args, state, control, **kwargs):
+                seen.steps += 1
+
+        self.callback = Recorder()
+
+
+def resume_run(trainer_cls: type, args_cls: type, out: Path, resume=None, seen: ResumeSeen | None = None):
     model = lora_lm(dropout=0.1)  # dropout: the random state is restored too
     args = args_cls(**settings(out, max_steps=4, save_strategy="steps", save_steps=2))
-    trainer_cls(model=model, args=args, train_dataset=lm_rows(48)).train(resume_from_checkpoint=resume)
+    trainer_cls(model=model, args=args, train_dataset=lm_rows(48),
+                callbacks=[seen.callback] if seen else None).train(resume_from_checkpoint=resume)
     return adapter_of(model)
 
 
-def test_a_resumed_lora_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path):
+def resumed_at_the_checkpoint(seen: ResumeSeen, checkpoint: Path) -> None:
+    """The run began at the checkpoint's step with its adapter loaded, and trained the 2 steps left."""
+    assert (seen.start_step, seen.steps) == (2, 2)
+    same_adapter(seen.start_adapter, adapter_of(peft.PeftModel.from_pretrained(gpt2(), str(checkpoint))))
+
+
+def test_a_resumed_lora_run_starts_from_the_checkpoints_adapter_and_ends_with_an_uninterrupted_runs(tmp_path):
     uninterrupted = resume_run(Trainer, TrainingArguments, tmp_path / "a")
     shutil.copytree(tmp_path / "a" / "checkpoint-2", tmp_path / "b" / "checkpoint-2")
-    same_adapter(resume_run(Trainer, TrainingArguments, tmp_path / "b", resume=True), uninterrupted)
+    seen = ResumeSeen(mixprec)
+    same_adapter(resume_run(Trainer, TrainingArguments, tmp_path / "b", resume=True, seen=seen), uninterrupted)
+    resumed_at_the_checkpoint(seen, tmp_path / "b" / "checkpoint-2")
 
 
 def test_lora_checkpoints_go_both_ways_between_transformers_and_mixprec(tmp_path):
     """transformers' adapter-only checkpoint resumes under mixprec, and mixprec's under transformers,
-    each ending where the other trainer's uninterrupted run ends (bit for bit)."""
+    each starting from the checkpoint's step and adapter and ending where the other trainer's
+    uninterrupted run ends (bit for bit)."""
     theirs = resume_run(transformers.Trainer, transformers.TrainingArguments, tmp_path / "hf")
     shutil.copytree(tmp_path / "hf" / "checkpoint-2", tmp_path / "mp" / "checkpoint-2")
-    same_adapter(resume_run(Trainer, TrainingArguments, tmp_path / "mp", resume=True), theirs)
+    seen = ResumeSeen(mixprec)
+    same_adapter(resume_run(Trainer, TrainingArguments, tmp_path / "mp", resume=True, seen=seen), theirs)
+    resumed_at_the_checkpoint(seen, tmp_path / "mp" / "checkpoint-2")
     ours = resume_run(Trainer, TrainingArguments, tmp_path / "mp2")
     shutil.copytree(tmp_path / "mp2" / "checkpoint-2", tmp_path / "hf2" / "checkpoint-2")
+    seen = ResumeSeen(transformers)
     same_adapter(resume_run(transformers.Trainer, transformers.TrainingArguments, tmp_path / "hf2",
-                            resume=str(tmp_path / "hf2" / "checkpoint-2")), ours)
+                            resume=str(tmp_path / "hf2" / "checkpoint-2"), seen=seen), ours)
+    resumed_at_the_checkpoint(seen, tmp_path / "hf2" / "checkpoint-2")
 
 
 # -- precision --------------------------------------------------------------------------------
