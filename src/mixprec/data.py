@@ -484,6 +484,8 @@ class PreparedDataLoader(DataLoader):
             self.generator = self._worker_generator if self._sharder.restored else None
         if self._sharder is not None:
             self._sharder.set_epoch(self.epoch)
+            if not self._own_generator:  # the user's draws the workers' base seed, then the order: from here
+                self._sharder.epoch_start_state = self.synchronized_generator.get_state()
         if self._workers_started:
             # torch draws the workers' base seed when it starts the workers, and persistent workers
             # are started once: draw it here in the epochs torch does not.
