@@ -46,8 +46,27 @@ class TrainerCallback:
     """
 
 
+def _no_op(self: Any, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    return None
+
+
 for _event in EVENTS:
-    setattr(TrainerCallback, _event, lambda self, args, state, control, **kwargs: None)
+    setattr(TrainerCallback, _event, _no_op)
+
+
+def _does_nothing(cb: Any, event: str) -> bool:
+    """Whether ``cb``'s ``event`` is the base class's no-op (mixprec's or transformers' TrainerCallback),
+    or missing: then the handler need not call it."""
+    kind = type(cb)
+    if event in getattr(cb, "__dict__", {}) or hasattr(kind, "__getattr__") \
+            or kind.__getattribute__ is not object.__getattribute__:
+        return False  # set on the instance, or resolved at call time: call it
+    for klass in kind.__mro__:
+        if event in vars(klass):
+            f = vars(klass)[event]
+            return f is _no_op or (getattr(f, "__qualname__", "") == f"TrainerCallback.{event}"
+                                   and getattr(f, "__module__", "").startswith("transformers."))
+    return True
 
 # What each event clears before the callbacks see it (Hugging Face's CallbackHandler does the same).
 _CLEARS = {"on_train_begin": ("should_training_stop",), "on_epoch_begin": ("should_epoch_stop",),
@@ -71,6 +90,10 @@ class CallbackHandler:
         self.model, self.processing_class = model, processing_class
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.train_dataloader = self.eval_dataloader = None
+        # Which callbacks do something on each event, worked out once for the callbacks there are
+        # (the list may be changed directly: it is keyed by the callbacks it was worked out for).
+        self._listening: dict[str, list[Any]] = {}
+        self._listening_for: tuple[int, ...] = ()
 
     @property
     def callback_list(self) -> str:
@@ -104,14 +127,30 @@ class CallbackHandler:
         """Remove the first callback of that class (or that instance)."""
         self.pop_callback(callback)
 
+    def listeners(self, event: str) -> list[Any]:
+        """The callbacks whose ``event`` does something (not the base class's no-op), in order.
+        Worked out once for the callbacks there are, again when they change (and at each
+        ``on_train_begin``, for methods set on an instance since)."""
+        key = tuple(map(id, self.callbacks))
+        if key != self._listening_for or event == "on_train_begin":
+            self._listening, self._listening_for = {}, key
+        found = self._listening.get(event)
+        if found is None:
+            found = self._listening[event] = [cb for cb in self.callbacks if not _does_nothing(cb, event)]
+        return found
+
     def call(self, event: str, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:
-        """Run ``event`` on every callback, after clearing the flags it clears; returns the control."""
+        """Run ``event`` on every callback that does something on it, after clearing the flags it
+        clears; returns the control."""
         for flag in _CLEARS.get(event, ()):
             setattr(control, flag, False)
+        listening = self.listeners(event)
+        if not listening:
+            return control
         objects = {k: getattr(self, k) for k in ("model", "processing_class", "optimizer", "lr_scheduler",
                                                  "train_dataloader", "eval_dataloader")}
         objects.update(kwargs)
-        for cb in self.callbacks:
+        for cb in listening:
             method = getattr(cb, event, None)
             if method is None:  # a duck-typed callback from an older library without this event
                 continue
