@@ -15,7 +15,66 @@ from typing import Any
 
 import torch
 
-__all__ = ["SkipRecorder", "BadBatch", "find_nonfinite_inputs", "describe_steps"]
+__all__ = ["SkipRecorder", "BadBatch", "LossSinceLog", "find_nonfinite_inputs", "describe_steps"]
+
+
+class LossSinceLog:
+    """The training loss summed since the last log, on the device, with transformers'
+    ``logging_nan_inf_filter`` (a non-finite loss counts as the sum so far over one more than the
+    optimizer steps so far), at no per-step cost but a list append.
+
+    The micro-batches' losses are kept as they come and folded into the sum every ``chunk`` of
+    them and when the sum is read: the filter's sequential rule, ``S <- S + v`` for a finite loss
+    and ``S <- S * (1 + 1 / (1 + k))`` for another (``k`` optimizer steps since the last log), is a
+    linear recurrence, folded at once with a cumulative product. No host sync.
+
+    Args:
+        total: the sum to start from (a resumed run's), a 0-d tensor on the device.
+        nan_inf_filter: apply the filter (``TrainingArguments.logging_nan_inf_filter``).
+        chunk: how many losses are kept before they are folded.
+
+    Example:
+        >>> acc = LossSinceLog(torch.zeros(()), nan_inf_filter=True)
+        >>> acc.add(torch.tensor(2.0), steps=0); acc.add(torch.tensor(float("nan")), steps=1)
+        >>> float(acc.total())   # 2 + 2 / (1 + 1)
+        3.0
+    """
+
+    def __init__(self, total: torch.Tensor, nan_inf_filter: bool, chunk: int = 32) -> None:
+        self._sum, self.nan_inf_filter, self.chunk = total, nan_inf_filter, chunk
+        self._losses: list[torch.Tensor] = []
+        self._steps: list[int] = []
+
+    def add(self, loss: torch.Tensor, steps: int) -> None:
+        """Count one micro-batch's (0-d) loss; ``steps``: optimizer steps since the last log before it."""
+        self._losses.append(loss)
+        self._steps.append(steps)
+        if len(self._losses) >= self.chunk:
+            self._fold()
+
+    def _fold(self) -> None:
+        if not self._losses:
+            return
+        v = torch.stack(self._losses).to(self._sum.dtype)
+        if self.nan_inf_filter:
+            finite = torch.isfinite(v)
+            k = torch.tensor(self._steps, dtype=v.dtype).to(v.device, non_blocking=True)
+            grow = torch.where(finite, torch.ones_like(v), 1 + 1 / (1 + k))
+            running = torch.cumprod(grow, 0)
+            self._sum = running[-1] * (self._sum + (torch.where(finite, v, torch.zeros_like(v)) / running).sum())
+        else:
+            self._sum = self._sum + v.sum()
+        self._losses, self._steps = [], []
+
+    def total(self) -> torch.Tensor:
+        """The sum since the last log (a 0-d tensor on the device; reading its value syncs)."""
+        self._fold()
+        return self._sum
+
+    def reset(self) -> None:
+        """Start a new sum (at a log)."""
+        self._sum = torch.zeros_like(self._sum)
+        self._losses, self._steps = [], []
 
 
 class SkipRecorder:

@@ -66,7 +66,7 @@ from mixprec.trainer.evaluation import (
 from mixprec.trainer.export import args_bin, save_model_files, write_model_card
 from mixprec.trainer.logs import set_verbosity, trainer_logger
 from mixprec.trainer.memory import MemoryTracker
-from mixprec.trainer.nonfinite import SkipRecorder, find_nonfinite_inputs
+from mixprec.trainer.nonfinite import LossSinceLog, SkipRecorder, find_nonfinite_inputs
 from mixprec.trainer.reporters import (
     JsonlLoggerCallback,
     PrinterCallback,
@@ -630,7 +630,8 @@ class Trainer:
                 for cb in self.callback_handler.callbacks:
                     if isinstance(cb, TensorBoardCallback):
                         cb.purge_step = saved.global_step + 1
-        self._loss_since_log = torch.tensor(self.state.loss_since_log, device=acc.device)
+        self._loss_since_log = LossSinceLog(torch.tensor(self.state.loss_since_log, device=acc.device),
+                                            nan_inf_filter=args.logging_nan_inf_filter)
         self._steps_since_log = self.state.steps_since_log
         self._skips = SkipRecorder(self.state.skipped_steps_since_log)  # read once per log
         self._step_batches: list[tuple[int, int, Any]] = []  # this step's micro-batches, for a skip's report
@@ -748,11 +749,8 @@ class Trainer:
         self.current_flos += float(self.floating_point_ops(batch))
         if args.include_num_input_tokens_seen != "no":
             self._tokens_since_log = self._tokens_since_log + self._input_tokens(batch)
-        if args.logging_nan_inf_filter:
-            # Hugging Face's filter: a non-finite loss counts as the mean of those since the last
-            # log. On the device (torch.where), so the filter costs no host sync.
-            loss = torch.where(torch.isfinite(loss), loss, self._loss_since_log / (1 + self._steps_since_log))
-        self._loss_since_log = self._loss_since_log + loss
+        # (with Hugging Face's filter, logging_nan_inf_filter: folded on the device every few steps)
+        self._loss_since_log.add(loss, self._steps_since_log)
         self._micro_in_step += 1
         if not acc.sync_gradients:
             self._event("on_substep_end")
@@ -900,7 +898,7 @@ class Trainer:
 
     def _log_training(self) -> None:
         acc, s = self.accelerator, self.state
-        loss = acc.reduce(self._loss_since_log, "mean").item() / self._steps_since_log
+        loss = acc.reduce(self._loss_since_log.total(), "mean").item() / self._steps_since_log
         s.total_loss += loss * self._steps_since_log
         logs: dict[str, Any] = {"loss": round(loss, 6)}
         if self._grad_norm is not None:
@@ -921,7 +919,7 @@ class Trainer:
                 log.warning("mixprec: %s", report.line())
         if s.precision != acc.policy.name:  # a loss-scale collapse made the run fall back
             s.precision = logs["precision"] = acc.policy.name
-        self._loss_since_log = torch.zeros((), device=acc.device)
+        self._loss_since_log.reset()
         self._steps_since_log = 0
         self._done["log"] = s.global_step
         self.log(logs)
@@ -972,7 +970,7 @@ class Trainer:
         self._read_scaler_into_state()
         self.store_flos()
         self._flush_tokens()
-        self.state.loss_since_log = float(self._loss_since_log)
+        self.state.loss_since_log = float(self._loss_since_log.total())
         self.state.steps_since_log = self._steps_since_log
         self.state.skipped_steps_since_log = self._skips.steps()
         self.state.stateful_callbacks = export_states([*self.callback_handler.callbacks, self.control])
@@ -997,7 +995,7 @@ class Trainer:
         s = self.state
         self._read_scaler_into_state()  # the skip count is exact at the end, whatever logging_steps
         if self._steps_since_log:
-            s.total_loss += self.accelerator.reduce(self._loss_since_log, "mean").item()
+            s.total_loss += self.accelerator.reduce(self._loss_since_log.total(), "mean").item()
         runtime = time.time() - start_time
         if self.args.load_best_model_at_end and s.best_model_checkpoint is not None:
             trainer_logger().info(f"Loading best model from {s.best_model_checkpoint} (score: {s.best_metric}).")
