@@ -5,7 +5,6 @@ scheduler that skips when the step did. This module alone names what it sets on 
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,34 +22,58 @@ _ORIGINAL = ORIGINAL_FORWARD  # models.original_forward reads it
 _PRECISION = "_mixprec_precision"  # a function returning the owner's current plugin
 
 
-def _precision_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    plugin: PrecisionPlugin = getattr(self, _PRECISION)()
-    with plugin.forward_context():
-        out = getattr(self, _ORIGINAL)(*plugin.convert_input(args), **plugin.convert_input(kwargs))
-    return plugin.convert_output(out)
+class _PrecisionForward:
+    """A prepared model's ``forward``: the model's own, run in the plugin its owner's
+    ``current_precision()`` returns at each call (its inputs and outputs converted by it).
+
+    An object rather than a bound function so that it pickles as what it is: unpickled (with
+    its owner), the copy's forward is this again, over the copy's own weights, in the same
+    precision (a bound method pickles as ``getattr(copy, "forward")``, which on the half-built copy
+    finds the class's plain forward: fp32, in silence). ``inspect.signature`` shows the model's own
+    arguments (``__wrapped__`` is its original bound forward: the Trainer reads the signature).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @property
+    def __wrapped__(self) -> Any:  # read when asked: an unpickled model's attributes come after this
+        return getattr(self.model, _ORIGINAL, None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        plugin: PrecisionPlugin = getattr(model, _PRECISION)()
+        with plugin.forward_context():
+            out = getattr(model, _ORIGINAL)(*plugin.convert_input(args), **plugin.convert_input(kwargs))
+        return plugin.convert_output(out)
+
+    def __reduce__(self) -> tuple:
+        return _PrecisionForward, (self.model,)
+
+    @property
+    def __self__(self) -> torch.nn.Module:  # as a bound method's: the model it belongs to
+        return self.model
+
+    @property
+    def __func__(self) -> Any:  # as a bound method's: the model's own forward function
+        original = getattr(self.model, _ORIGINAL, None)
+        return getattr(original, "__func__", original)
 
 
 def patch_forward(model: torch.nn.Module, current_precision: Callable[[], PrecisionPlugin]) -> None:
     """Run ``model.forward`` in the plugin ``current_precision()`` returns at each call.
 
     The model object stays the same (its attributes, ``isinstance`` checks and ``state_dict`` are
-    untouched); only the instance's ``forward`` is replaced, as a method bound to the model (so a
-    ``copy.deepcopy`` of it runs its own weights, in the same owner's precision), and
-    :func:`unpatch_forward` undoes it. Patching twice keeps the first.
+    untouched); only the instance's ``forward`` is replaced, by a :class:`_PrecisionForward` over
+    the model (so a ``copy.deepcopy`` or an unpickled copy of it runs its own weights, in the same
+    owner's precision), and :func:`unpatch_forward` undoes it. Patching twice keeps the first.
     """
     if hasattr(model, _ORIGINAL):
         return
     original = model.forward
     setattr(model, _PRECISION, current_precision)
     setattr(model, _ORIGINAL, original)
-
-    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return _precision_forward(self, *args, **kwargs)
-
-    # inspect.signature(model.forward) then shows the model's own arguments (the Trainer reads it).
-    forward.__wrapped__ = getattr(original, "__func__", original)
-    forward.__doc__ = original.__doc__
-    model.forward = types.MethodType(forward, model)
+    model.forward = _PrecisionForward(model)
 
 
 def repoint_forward(model: torch.nn.Module, current_precision: Callable[[], PrecisionPlugin]) -> None:
