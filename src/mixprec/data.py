@@ -554,7 +554,8 @@ class PreparedDataLoader(DataLoader):
             current = nxt
 
     def _move(self, batch: Any) -> Any:
-        if self.device is None:
+        # On the CPU with nothing to cast there is nothing to do: not a walk of the batch per step.
+        if self.device is None or (self.device.type == "cpu" and self.float_dtype is None):
             return batch
         non_blocking = self.device.type == "cuda" if self.non_blocking is None else self.non_blocking
         return send_to_device(batch, self.device, non_blocking=non_blocking, float_dtype=self.float_dtype)

@@ -49,7 +49,7 @@ def _node(obj: Any) -> tuple[list[Any], Callable[[list[Any]], Any]] | None:
     if isinstance(obj, (list, tuple)):
         return list(obj), type(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = [f.name for f in dataclasses.fields(obj) if f.init]
+        names = _init_fields(type(obj))
         return ([getattr(obj, n) for n in names],
                 lambda values: dataclasses.replace(obj, **dict(zip(names, values))))
     return None
@@ -105,7 +105,22 @@ def _map_one(fn: Callable[..., Any], tree: Any) -> Any:
         return tuple(_map_one(fn, v) for v in tree)
     if isinstance(tree, _LEAVES):
         return fn(tree)
+    if kind not in pytree.SUPPORTED_NODES and not isinstance(tree, Mapping) and dataclasses.is_dataclass(tree) \
+            and not isinstance(tree, type):  # a model's output dataclass: walked here too, on every step
+        names = _init_fields(kind)
+        return dataclasses.replace(tree, **{n: _map_one(fn, getattr(tree, n)) for n in names})
     return _map_general(fn, tree)
+
+
+_INIT_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _init_fields(kind: type) -> tuple[str, ...]:
+    """The ``init`` fields of dataclass ``kind`` (what ``dataclasses.replace`` takes), found once."""
+    names = _INIT_FIELDS.get(kind)
+    if names is None:
+        names = _INIT_FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind) if f.init)
+    return names
 
 
 def tree_leaves(tree: Any) -> list[Any]:

@@ -266,6 +266,7 @@ class Accelerator:
         #: What the prepared objects really train in (see :meth:`precision_report`).
         self.audit = PrecisionAudit()
         self.optimizer_steps = 0  # applied or skipped, counted by the first prepared optimizer
+        self._clip_owners: tuple[Any, list[Any]] | None = None  # (ids of the parameters clipped and optimizers, theirs)
         self.precision_fallbacks: list[dict[str, Any]] = []
         #: ``prepare`` and its parts.
         self.preparer = Preparer(
@@ -601,24 +602,15 @@ class Accelerator:
     def _end_of_dataloader(self) -> bool:
         return self.gradient_state.end_of_dataloader and self.gradient_state.sync_with_dataloader
 
-    @contextlib.contextmanager
-    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+    def accumulate(self, *models: torch.nn.Module) -> contextlib.AbstractContextManager:
         """Accumulate gradients over ``gradient_accumulation_steps`` micro-batches.
 
-        Sets :attr:`sync_gradients`: True on the micro-batch that completes a group (or ends the
-        dataloader), when the prepared optimizer steps; on the others DDP's ``no_sync`` skips the
-        all-reduce and the optimizer's ``step``/``zero_grad`` do nothing.
+        Sets :attr:`sync_gradients` when the block is entered: True on the micro-batch that
+        completes a group (or ends the dataloader), when the prepared optimizer steps; on the
+        others DDP's ``no_sync`` skips the all-reduce and the optimizer's ``step``/``zero_grad``
+        do nothing.
         """
-        if self._end_of_dataloader:
-            self.step, self.sync_gradients = 0, True
-        else:
-            self.step += 1
-            self.sync_gradients = self.step % self.gradient_accumulation_steps == 0
-        with contextlib.ExitStack() as stack:
-            if not (self.sync_gradients or self.gradient_state.sync_each_batch):
-                for m in models:
-                    stack.enter_context(self.no_sync(m))
-            yield
+        return _Accumulate(self, models)
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
@@ -645,14 +637,24 @@ class Accelerator:
         if not self.sync_gradients:
             return
         opts = [optimizer] if optimizer is not None else [o.optimizer for o in self.prepared.optimizers]
-        with self._collapse_guard():
+        try:
             for opt in opts:
                 self.precision.unscale_gradients(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
+        except LossScaleCollapse as error:
+            self._on_collapse(error)
 
     def _clip(self, parameters: Iterable[torch.Tensor] | torch.Tensor, **how: Any) -> torch.Tensor | None:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        with self._collapse_guard():
-            norm = self.precision.clip_gradients(params, self._optimizers_for(params), **how)
+        # The optimizers holding them, worked out again only for other parameters (a loop passes
+        # the same ones every step; a precision fallback keeps the optimizers).
+        key = (tuple(map(id, params)), tuple(map(id, self.prepared.optimizers)))
+        if self._clip_owners is None or self._clip_owners[0] != key:
+            self._clip_owners = (key, self._optimizers_for(params))
+        try:
+            norm = self.precision.clip_gradients(params, self._clip_owners[1], **how)
+        except LossScaleCollapse as error:
+            self._on_collapse(error)
+            return None
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded: the global norm
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
@@ -677,8 +679,10 @@ class Accelerator:
         self.audit.observe_gradients(wrapped.optimizer)
         models = self._observe_before_step(wrapped)
         out = None
-        with self._collapse_guard(wrapped):
+        try:
             out = self.precision.optimizer_step(wrapped.optimizer, closure)
+        except LossScaleCollapse as error:
+            self._on_collapse(error, wrapped)
         if wrapped.original_optimizer is not wrapped.optimizer:
             # A scheduler built on the user's optimizer checks that *it* stepped (torch's flag).
             wrapped.original_optimizer._opt_called = True
@@ -700,27 +704,24 @@ class Accelerator:
         self.monitor.before_step(self.optimizer_steps, self.precision.grads_scaled_by(wrapped.optimizer), models)
         return models
 
-    @contextlib.contextmanager
-    def _collapse_guard(self, wrapped: AcceleratedOptimizer | None = None) -> Iterator[None]:
-        """Let a loss-scale collapse through with the tracer's culprit, or fall back (``on_loss_scale_collapse``)."""
-        try:
-            yield
-        except LossScaleCollapse as error:
-            if wrapped is not None:
-                wrapped.mark_skipped()
-            blame = self.monitor.blame() if self.monitor is not None else \
-                "turn on diagnostics (trace_overflow=True) to name the overflowing module"
-            if self.precision_config.on_loss_scale_collapse == "raise":
-                raise LossScaleCollapse(f"{error} Tracer: {blame}.") from None
-            # The skipped steps changed neither the parameters nor the optimizer state: they are
-            # the last applied state already. Drop the overflowing gradients and switch precision.
-            target, why = fallback_target(self.precision, self.device)
-            before = self.policy.name
-            for o in self.prepared.optimizers:
-                o.optimizer.zero_grad(set_to_none=True)
-            self._switch_precision(target)
-            self.precision_fallbacks.append({"step": self.optimizer_steps, "from": before, "to": target})
-            log_fallback(self.optimizer_steps, before, target, why, blame)
+    def _on_collapse(self, error: LossScaleCollapse, wrapped: AcceleratedOptimizer | None = None) -> None:
+        """A loss-scale collapse: raised again with the tracer's culprit, or the run falls back
+        (``on_loss_scale_collapse``). Called from the ``except`` of the step that found it."""
+        if wrapped is not None:
+            wrapped.mark_skipped()
+        blame = self.monitor.blame() if self.monitor is not None else \
+            "turn on diagnostics (trace_overflow=True) to name the overflowing module"
+        if self.precision_config.on_loss_scale_collapse == "raise":
+            raise LossScaleCollapse(f"{error} Tracer: {blame}.") from None
+        # The skipped steps changed neither the parameters nor the optimizer state: they are
+        # the last applied state already. Drop the overflowing gradients and switch precision.
+        target, why = fallback_target(self.precision, self.device)
+        before = self.policy.name
+        for o in self.prepared.optimizers:
+            o.optimizer.zero_grad(set_to_none=True)
+        self._switch_precision(target)
+        self.precision_fallbacks.append({"step": self.optimizer_steps, "from": before, "to": target})
+        log_fallback(self.optimizer_steps, before, target, why, blame)
 
     def _switch_precision(self, name: str) -> None:
         """Run the rest of training in ``name``: one assignment, which every prepared model and
@@ -819,6 +820,7 @@ class Accelerator:
         self.precision.forget_optimizers()
         self.audit.reset()  # the next run's objects are observed afresh
         self.gradient_state.dataloader_references.clear()
+        self._clip_owners = None
         self.step = 0
         gc.collect()
         if self.device.type == "cuda":
@@ -1141,3 +1143,31 @@ def _fp8_fields(ao: Any) -> dict[str, Any]:
     if ao.module_filter_func is not None:
         fields["fp8_filter"] = ao.module_filter_func
     return fields
+
+
+class _Accumulate:
+    """:meth:`Accelerator.accumulate`'s block: the micro-batch counted when it is entered, and DDP's
+    ``no_sync`` entered for the models only on the micro-batches that do not sync (a class, not a
+    generator: it is entered on every micro-batch of every training)."""
+
+    __slots__ = ("acc", "models", "stack")
+
+    def __init__(self, acc: Accelerator, models: tuple[torch.nn.Module, ...]) -> None:
+        self.acc, self.models, self.stack = acc, models, None
+
+    def __enter__(self) -> None:
+        acc = self.acc
+        if acc._end_of_dataloader:
+            acc.step, acc.sync_gradients = 0, True
+        else:
+            acc.step += 1
+            acc.sync_gradients = acc.step % acc.gradient_accumulation_steps == 0
+        if not (acc.sync_gradients or acc.gradient_state.sync_each_batch) and self.models:
+            self.stack = contextlib.ExitStack()
+            for m in self.models:
+                self.stack.enter_context(acc.no_sync(m))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.stack is not None:
+            stack, self.stack = self.stack, None
+            stack.__exit__(*exc)

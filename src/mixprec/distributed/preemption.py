@@ -37,6 +37,7 @@ class Preemption:
         self._previous: dict[int, Any] = {}
         self._group: Any = None
         self._agreed = False
+        self._several: bool | None = None  # whether several processes must agree (known at the first check)
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
@@ -58,7 +59,9 @@ class Preemption:
         if self._agreed:
             return True
         dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if self._several is None:  # asked once: the process group does not change while a loop runs
+            self._several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if self._several:
             if self._group is None:
                 self._group = dist.new_group(backend="gloo")  # on the host, whatever the device's backend
             flag = torch.tensor([1.0 if self.received is not None else 0.0])

@@ -272,7 +272,8 @@ class Trainer:
 
     def _event(self, name: str, **kwargs: Any) -> TrainerControl:
         h = self.callback_handler
-        h.model, h.optimizer, h.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
+        if h.listeners(name):  # (else only the flags the event clears: no callback to hand objects to)
+            h.model, h.optimizer, h.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
         self.control = h.call(name, self.args, self.state, self.control, **kwargs)
         return self.control
 
@@ -644,6 +645,11 @@ class Trainer:
         self._counted_params = None  # (a model_init builds a new model each train())
         self._tokens_since_log: Any = 0  # input tokens counted on the device since the last log
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]  # listed once, not per step
+        # Decided once, not per step: whether the schedule steps with the evaluation metric, and
+        # whether floating_point_ops can count anything (overridden, or a model that counts its parameters).
+        self._metric_schedule = self._metric_driven_schedule()
+        self._counts_flos = (type(self).floating_point_ops is not Trainer.floating_point_ops
+                             or hasattr(self.model, "num_parameters"))
         start_time = time.time()
         self._log_training_summary(train_dl, resume_path, examples, update_steps)
         self.callback_handler.train_dataloader = train_dl
@@ -743,10 +749,11 @@ class Trainer:
             if args.drift_steps and self.state.global_step % args.drift_steps == 0:
                 self._log_drift(model, batch)
         loss = self.training_step(model, batch)
-        if not self.loss_is_scaled_for_ga:
+        if not self.loss_is_scaled_for_ga and args.gradient_accumulation_steps > 1:
             loss = loss / args.gradient_accumulation_steps
         self._step_batches.append((epoch, train_dl.batches_yielded - 1, batch))
-        self.current_flos += float(self.floating_point_ops(batch))
+        if self._counts_flos:
+            self.current_flos += float(self.floating_point_ops(batch))
         if args.include_num_input_tokens_seen != "no":
             self._tokens_since_log = self._tokens_since_log + self._input_tokens(batch)
         # (with Hugging Face's filter, logging_nan_inf_filter: folded on the device every few steps)
@@ -764,7 +771,7 @@ class Trainer:
         self.optimizer.step()
         self._event("on_optimizer_step")
         self._learning_rate = self._get_learning_rate()  # the rate this step used: the one logged
-        if not self._metric_driven_schedule():  # those step with the evaluation metric (_maybe_log_save_evaluate)
+        if not self._metric_schedule:  # those step with the evaluation metric (_maybe_log_save_evaluate)
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
