@@ -1,18 +1,12 @@
 """What a training step pays for, and only that: the callback handler calls, for each event, only the
 callbacks that do something on it (worked out once, again when the callbacks change), so a step pays
-nothing for events nobody overrides; and the objects alive when training starts are frozen for the
-garbage collector, whose full passes then walk only what training made."""
+nothing for events nobody overrides."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
-import mixprec
 from mixprec.trainer.callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback, TrainerControl
-
-from toys import SineRegressor, SineRows
 
 
 class Counts(TrainerCallback):
@@ -64,27 +58,3 @@ def test_the_flags_an_event_clears_are_cleared_even_when_nobody_listens():
     control = TrainerControl(should_log=True, should_save=True)
     CallbackHandler([]).call("on_step_begin", None, None, control)
     assert not control.should_log and not control.should_save
-
-
-def test_the_objects_alive_when_training_starts_are_frozen_for_the_collector_while_it_runs(tmp_path):
-    seen = []
-
-    class Look(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            seen.append(gc.get_freeze_count())
-
-    args = mixprec.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
-                                     report_to="none", disable_tqdm=True, save_strategy="no")
-    before = gc.get_freeze_count()
-    mixprec.Trainer(model=SineRegressor(), args=args, train_dataset=SineRows(), callbacks=[Look()]).train()
-    assert before == 0 and all(n > 0 for n in seen) and len(seen) == 2
-    assert gc.get_freeze_count() == 0  # taken up again after training
-    gc.freeze()  # a process that froze objects itself is left as it is
-    try:
-        frozen = gc.get_freeze_count()
-        seen.clear()
-        mixprec.Trainer(model=SineRegressor(), args=args, train_dataset=SineRows(), callbacks=[Look()]).train()
-        # not frozen again (the count would grow), nor unfrozen (it would drop to 0)
-        assert len(seen) == 2 and all(0 < n <= frozen for n in seen) and gc.get_freeze_count() > 0
-    finally:
-        gc.unfreeze()

@@ -6,49 +6,20 @@ on CUDA the same for the device (``_mem_gpu_``), from torch's allocator counters
 The process's resident memory is sampled by a background thread every few milliseconds while a
 stage runs (transformers samples in a busy loop: the same peak within a few ms, without taking a
 core), with ``psutil`` where installed, else ``/proc/self/statm``.
-
-And :func:`frozen_heap`: the Python objects alive when training starts are left out of the cyclic
-garbage collector's full passes while it runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["MemoryTracker", "frozen_heap"]
+__all__ = ["MemoryTracker"]
 
 _SAMPLE_SECONDS = 0.002
-
-
-@contextlib.contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Inside the block, Python's cyclic garbage collector leaves alone the objects alive at its
-    start (``gc.freeze``), and takes them up again after it (``gc.unfreeze``).
-
-    With torch and transformers imported a process holds some half a million tracked objects, and
-    each full collection walks them all: about 0.25 s on these 2-core machines, a step's worth of
-    time many times over, at a step nobody chose. Training allocates few long-lived objects, so
-    with them frozen the full passes walk only what training made. One full collection first (the
-    one such a pass would have made), so that no garbage is frozen: a previous run's model held in
-    a reference cycle is freed before this one trains. A process that froze objects itself
-    (``gc.get_freeze_count() > 0``) or turned the collector off is left as it is.
-    """
-    if gc.get_freeze_count() or not gc.isenabled():
-        yield
-        return
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _rss() -> int | None:

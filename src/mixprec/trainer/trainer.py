@@ -65,7 +65,7 @@ from mixprec.trainer.evaluation import (
 )
 from mixprec.trainer.export import args_bin, save_model_files, write_model_card
 from mixprec.trainer.logs import set_verbosity, trainer_logger
-from mixprec.trainer.memory import MemoryTracker, frozen_heap
+from mixprec.trainer.memory import MemoryTracker
 from mixprec.trainer.nonfinite import LossSinceLog, SkipRecorder, find_nonfinite_inputs
 from mixprec.trainer.reporters import (
     JsonlLoggerCallback,
@@ -659,7 +659,7 @@ class Trainer:
         if self._transformers_resume:  # where transformers sets it: as the first resumed batch is trained on
             set_transformers_rng_state(self._transformers_resume, distributed=acc.num_processes > 1)
         epochs = range(train_dl.epoch, num_epochs) if self.state.global_step < max_steps else range(0)
-        with Preemption() as self._preemption, frozen_heap():  # (the collector walks only what training makes)
+        with Preemption() as self._preemption:
             self._epochs(model, train_dl, epochs, max_steps)
         return self._finish(start_time)
 
