@@ -6,13 +6,24 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
 from mixprec import Accelerator, CheckpointError
-from mixprec.checkpoint.folder import is_complete_checkpoint, verify_checkpoint, write_checkpoint
+from mixprec.checkpoint.folder import (
+    CheckpointReader,
+    checkpoint_problem,
+    is_complete_checkpoint,
+    numbered_checkpoints,
+    raise_first_problem,
+    read_manifest,
+    rotate_checkpoints,
+    verify_checkpoint,
+    write_checkpoint,
+)
 
 from toys import SCRIPTS, TinyLM
 
@@ -158,3 +169,91 @@ def test_a_checkpoint_write_that_fails_for_real_leaves_the_previous_one_and_says
     # Rotation: checkpoint-4 failed after checkpoint-2 was complete; save_total_limit=1 kept checkpoint-2.
     assert seen["left_after_rotation"] == ["checkpoint-2"] and seen["kept_complete"]
     assert proc.stderr.count("was not written: a file size limit was reached") == 3
+
+
+def _write(path, files):
+    """A checkpoint of ``files`` (name -> bytes, names may hold folders), written atomically."""
+    def writer(content):
+        def write(p):
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(content)
+        return write
+    return write_checkpoint(path, {name: writer(content) for name, content in files.items()}, meta={"step": 3})
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd (Linux)")
+def test_a_commit_makes_every_file_the_manifest_and_each_folder_durable_before_the_rename(tmp_path, monkeypatch):
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):  # what was made durable, and how big it was then
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    open_before = len(os.listdir("/proc/self/fd"))
+    final = _write(tmp_path / "ckpt", {"a.bin": b"abc", "sub/b.bin": b"defgh"})
+    assert len(os.listdir("/proc/self/fd")) == open_before  # every descriptor it opened is closed
+    rename = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(final))
+    tmp = events[rename][1]
+    synced = {path: size for kind, path, size in events[:rename] if kind == "fsync"}
+    for rel in ("a.bin", "sub/b.bin", "manifest.json"):  # each as big as it ends up: flushed first
+        assert synced.get(f"{tmp}/{rel}") == (final / rel).stat().st_size, rel
+    assert {tmp, f"{tmp}/sub"} <= set(synced)  # the folders: their entries are durable
+    assert ("fsync", str(tmp_path)) in [e[:2] for e in events[rename + 1:]]  # and the rename itself
+
+
+def test_a_checkpoint_replaced_by_a_new_one_leaves_no_old_copy(tmp_path):
+    _write(tmp_path / "ckpt", {"a.bin": b"old"})
+    _write(tmp_path / "ckpt", {"a.bin": b"new"})
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"] and (tmp_path / "ckpt" / "a.bin").read_bytes() == b"new"
+
+
+def test_a_checkpoint_is_written_into_folders_that_do_not_exist_yet_and_keeps_its_meta(tmp_path):
+    final = _write(tmp_path / "runs" / "a" / "ckpt", {"a.bin": b"x", "empty.bin": b""})
+    assert read_manifest(final)["meta"] == {"step": 3}
+    assert verify_checkpoint(final)["empty.bin"]["size"] == 0  # an empty file is a file
+
+
+def test_checkpoint_problem_names_a_missing_or_truncated_file_without_hashing(tmp_path):
+    final = _write(tmp_path / "ckpt", {"a.bin": b"abc", "b.bin": b"defg"})
+    assert checkpoint_problem(final) is None
+    (final / "a.bin").write_bytes(b"xyz")  # same size: only a hash would tell
+    assert checkpoint_problem(final) is None
+    (final / "b.bin").write_bytes(b"de")
+    assert "b.bin is 2 bytes, the manifest says 4: truncated" in checkpoint_problem(final)
+    (final / "b.bin").unlink()
+    assert "b.bin is missing" in checkpoint_problem(final)
+    assert checkpoint_problem(final, skip=["b.bin"]) is None
+
+
+def test_read_bytes_returns_a_file_only_once_its_sha256_is_the_manifests(tmp_path):
+    final = _write(tmp_path / "ckpt", {"a.json": b'{"x": 1}'})
+    assert CheckpointReader(final).read_bytes("a.json") == b'{"x": 1}'
+    (final / "a.json").write_bytes(b'{"x": 2}')
+    with pytest.raises(CheckpointError, match="sha256 of .*a.json is not the one in the manifest"):
+        CheckpointReader(final).read_bytes("a.json")
+
+
+def test_the_first_problem_of_several_processes_names_its_process():
+    raise_first_problem([None, None])
+    with pytest.raises(CheckpointError, match=r"^process 1 of 2: b\.bin is missing$"):
+        raise_first_problem([None, "b.bin is missing"])
+    with pytest.raises(CheckpointError, match=r"^a\.bin is missing$"):
+        raise_first_problem(["a.bin is missing"])
+
+
+def test_numbered_checkpoints_are_the_complete_ones_in_step_order_and_rotation_clears_crashed_saves(tmp_path):
+    for n in (10, 9, 100):
+        _write(tmp_path / f"checkpoint-{n}", {"a.bin": b"x"})
+    (tmp_path / "checkpoint-50").mkdir()  # no manifest: half-written, or not ours
+    (tmp_path / ".checkpoint-101.tmp-0123abcd").mkdir()  # a save that crashed
+    assert [p.name for p in numbered_checkpoints(tmp_path, "checkpoint-")] == [
+        "checkpoint-9", "checkpoint-10", "checkpoint-100"]
+    assert len(numbered_checkpoints(tmp_path, "checkpoint-", complete=False)) == 4
+    rotate_checkpoints(tmp_path, "checkpoint-", None)
+    assert not (tmp_path / ".checkpoint-101.tmp-0123abcd").exists() and (tmp_path / "checkpoint-50").is_dir()

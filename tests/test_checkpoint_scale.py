@@ -93,6 +93,125 @@ def test_streamed_safetensors_are_safetensors_own_bytes_and_load_back_in_every_d
             assert f.metadata() == {"format": "pt", "note": "mixprec"}
 
 
+def test_streamed_safetensors_go_tensor_by_tensor_each_aligned_to_its_element_size(tmp_path):
+    tensors = {"bool": torch.tensor([True, False, True]), "u8": torch.arange(9, dtype=torch.uint8),
+               "i8": torch.arange(3, dtype=torch.int8), "i16": torch.arange(3, dtype=torch.int16),
+               "i32": torch.arange(5, dtype=torch.int32), "f8e5m2": torch.randn(3).to(torch.float8_e5m2),
+               "c64": torch.randn(3, dtype=torch.complex64), "f64": torch.randn(3, dtype=torch.float64),
+               "big": torch.randn(64, 64)}
+    writes = []
+
+    class Recorder(io.BytesIO):
+        def write(self, data):
+            writes.append(memoryview(data).nbytes)
+            return super().write(data)
+
+    buf = Recorder()
+    write_safetensors(tensors, buf)
+    header_len = int.from_bytes(buf.getvalue()[:8], "little")
+    # The header, then one tensor a write: never the whole file in memory.
+    assert writes[0] == 8 + header_len and sorted(writes[1:]) == sorted(t.nbytes for t in tensors.values())
+    header = json.loads(buf.getvalue()[8:8 + header_len])
+    for name, t in tensors.items():  # each starts at a multiple of its element size (zero-copy loads)
+        assert header[name]["data_offsets"][0] % t.element_size() == 0, name
+    back = safetensors.torch.load(buf.getvalue())
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+class _Syncs:
+    """os.fsync and os.close, spied on: which files were made durable, and how big they were then."""
+
+    def __init__(self, monkeypatch, fail: bool = False):
+        self.synced, self.real_fsync, self.fail = {}, os.fsync, fail
+        monkeypatch.setattr(os, "fsync", self.fsync)
+
+    def fsync(self, fd):
+        if self.fail:
+            raise OSError(5, "Input/output error")
+        self.synced[os.readlink(f"/proc/self/fd/{fd}")] = os.fstat(fd).st_size
+        self.real_fsync(fd)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd (Linux)")
+def test_a_hashing_file_is_durable_when_closed_and_closes_what_it_opened(tmp_path, monkeypatch):
+    syncs, before, rows = _Syncs(monkeypatch), _open_fds(), []
+    with HashingFile(tmp_path / "a.bin", lambda size, digest: rows.append((size, digest))) as fh:
+        assert fh.writable() and not fh.seekable()  # torch.save writes it as a stream
+        fh.write(b"abc")
+        fh.write(bytearray(3 << 20))  # a large write: hashed while it is written
+    fh.close()  # a second close does nothing
+    assert syncs.synced == {str(tmp_path / "a.bin"): 3 + (3 << 20)} and _open_fds() == before
+    assert rows == [(3 + (3 << 20), sha256_file(tmp_path / "a.bin"))]
+    with HashingFile(tmp_path / "empty.bin", lambda size, digest: rows.append((size, digest))):
+        pass
+    assert rows[-1] == (0, sha256_file(tmp_path / "empty.bin"))
+
+
+def test_a_hashing_file_takes_any_buffer_as_its_bytes(tmp_path):
+    import numpy as np
+
+    data = [np.arange(12, dtype=np.uint8).reshape(3, 4), np.arange(5, dtype=np.float32),
+            np.arange(6, dtype=np.float64).reshape(2, 3), b"tail"]
+    with HashingFile(tmp_path / "a.bin", sync=False) as fh:
+        assert [fh.write(d) for d in data] == [12, 20, 48, 4]
+    assert (tmp_path / "a.bin").read_bytes() == b"".join(bytes(memoryview(d).cast("B")) for d in data)
+
+
+def test_a_large_write_returns_only_once_its_bytes_are_hashed_so_the_caller_may_reuse_the_buffer(tmp_path):
+    import hashlib
+    import threading
+
+    import mixprec.checkpoint.integrity as integrity
+
+    release = threading.Event()
+    integrity._HASHER.submit(release.wait)  # the hashing thread is busy: the write must wait for it
+    threading.Timer(0.3, release.set).start()
+    buf, rows = bytearray(b"a" * (2 << 20)), []
+    with HashingFile(tmp_path / "a.bin", lambda size, digest: rows.append(digest), sync=False) as fh:
+        fh.write(buf)
+        buf[:] = b"b" * len(buf)  # the caller's buffer, reused once write() returned
+    assert rows == [hashlib.sha256(b"a" * (2 << 20)).hexdigest()] == [sha256_file(tmp_path / "a.bin")]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd (Linux)")
+def test_written_files_are_durable_once_their_rows_are_returned_and_a_failed_fsync_is_raised(tmp_path, monkeypatch):
+    syncs, before = _Syncs(monkeypatch), _open_fds()
+    written = WrittenFiles(tmp_path)
+    written.torch_save({"w": torch.ones(3)}, "a.bin")
+    written.write_bytes("b.json", b"{}")
+    rows = written.entries()
+    assert syncs.synced == {str(tmp_path / n): (tmp_path / n).stat().st_size for n in ("a.bin", "b.json")}
+    assert set(rows) == {"a.bin", "b.json"} and _open_fds() == before
+    syncs.fail = True
+    written.write_bytes("c.json", b"{}")
+    with pytest.raises(OSError, match="Input/output error"):
+        written.entries()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd (Linux)")
+def test_a_file_whose_writer_raised_is_closed_and_not_recorded(tmp_path):
+    written, before = WrittenFiles(tmp_path), _open_fds()
+    with pytest.raises(RuntimeError, match="writer failed"):
+        with written.open(tmp_path / "a.bin") as fh:
+            fh.write(b"half")
+            raise RuntimeError("writer failed")
+    fh.close()  # (a later close does not record it either)
+    assert written.entries() == {} and _open_fds() == before
+
+
+def test_a_renamed_written_file_keeps_its_row_under_its_new_name(tmp_path):
+    written = WrittenFiles(tmp_path)
+    written.write_bytes(".metadata.tmp", b"meta")
+    written.rename(tmp_path / ".metadata.tmp", tmp_path / ".metadata")
+    written.rename(tmp_path / "never-written", tmp_path / "other")
+    assert set(written.entries()) == {".metadata"} and written.entries()[".metadata"]["size"] == 4
+
+
 def test_tied_weights_are_written_once_and_tied_again_on_load(tmp_path):
     class Tied(torch.nn.Module):
         def __init__(self):

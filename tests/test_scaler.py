@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 
 import pytest
@@ -102,8 +103,10 @@ def run_control(kind, overflow, n=N_STEPS):
         dict(hysteresis=1),
         dict(hysteresis=2),
         dict(hysteresis=3, min_scale=64.0, max_scale=1024.0),
+        dict(min_scale=64.0),
+        dict(max_scale=256.0),
     ],
-    ids=["plain", "hysteresis2", "hysteresis3-bounded"],
+    ids=["plain", "hysteresis2", "hysteresis3-bounded", "floor-alone", "ceiling-alone"],
 )
 def test_scale_follows_rule_and_params_match_unscaled_fp32_control(kind, extras):
     cfg = dict(init_scale=256.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
@@ -138,9 +141,11 @@ def test_neutral_extras_match_torch_grad_scaler_exactly(kind):
             assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("max_consecutive_skips", [None, 5], ids=["no-collapse-check", "collapse-check"])
 @pytest.mark.parametrize("kind", ["sgd", "adamw-fused"])
-def test_last_step_applied_reflects_skips(kind):
-    scaler = LossScaler("cpu", init_scale=8.0)
+def test_last_step_applied_reflects_skips(kind, max_consecutive_skips):
+    # With a collapse check and a fused optimizer, the answer comes from the check's one read.
+    scaler = LossScaler("cpu", init_scale=8.0, max_consecutive_skips=max_consecutive_skips)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     opt = make_optimizer(kind, model.parameters())
@@ -207,6 +212,177 @@ def test_pickle_round_trip_keeps_counters():
     assert (b.get_scale(), b.skipped_steps, b.hysteresis_counter) == (a.get_scale(), a.skipped_steps, a.hysteresis_counter)
 
 
+@pytest.mark.parametrize("copy_of", [lambda s: pickle.loads(pickle.dumps(s)), copy.deepcopy], ids=["pickle", "deepcopy"])
+def test_a_pickled_or_deep_copied_scaler_is_the_same_scaler_and_trains_on_alike(copy_of):
+    cfg = dict(init_scale=64.0, growth_interval=2, hysteresis=2, max_consecutive_skips=4)
+    overflow = {1, 3, 4, 5, 6}
+    a = LossScaler("cpu", **cfg)
+    run_scaled(a, "sgd", overflow, n=5)  # the last steps (3, 4) skipped: two in a row
+    b = copy_of(a)
+    assert b.state_dict() == a.state_dict()  # scale, counters, history, last_step_applied
+    assert not b.last_step_applied and b.consecutive_skips == 2 and len(b.scale_history) == 5
+    for scaler in (a, b):  # both go on: two more skips reach the collapse limit alike
+        with pytest.raises(LossScaleCollapse, match="4 optimizer steps in a row"):
+            continue_scaled(scaler, overflow, range(5, 8))
+    assert b.state_dict() == a.state_dict()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_pickled_scaler_holds_its_counters_as_numbers_and_no_device_tensor(device):
+    # As GradScaler's pickle: no device tensor in it (a CUDA scaler unpickles where there is no CUDA);
+    # the scale history goes as CPU rows, rebuilt on the scale's device.
+    scaler = LossScaler(device, init_scale=64.0, hysteresis=2)
+    model = torch.nn.Linear(8, 1).to(device)
+    continue_scaled(scaler, {1}, range(3), model=model)
+    tensors = []
+
+    class Spy(pickle.Pickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, torch.Tensor):
+                tensors.append(obj)
+            return None
+
+    Spy(io.BytesIO()).dump(scaler)
+    assert [(t.device.type, tuple(t.shape)) for t in tensors] == [("cpu", (2,))] * 3  # the history's rows only
+
+
+def test_a_fused_optimizers_skipped_step_is_still_skipped_after_pickling():
+    scaler = LossScaler("cpu", init_scale=64.0)  # (no collapse check: nothing read the flag on the host)
+    run_scaled(scaler, "adamw-fused", {2}, n=3)
+    assert pickle.loads(pickle.dumps(scaler)).last_step_applied is False
+
+
+def test_the_hysteresis_is_refilled_only_when_the_scale_grows():
+    # Overflows at 1 and 3 with one good step between: the counter used at 1 is still used at 3.
+    overflow = {1, 3, 7, 9}
+    scaler = LossScaler("cpu", init_scale=256.0, growth_interval=3, hysteresis=2)
+    scales, _ = run_scaled(scaler, "sgd", overflow, n=12)
+    assert scales == predicted_scales(12, overflow, 256.0, 2.0, 0.5, 3, hysteresis=2)
+    assert scales[3] == 128.0  # tolerated at 1, backed off at 3
+
+
+def continue_scaled(scaler, overflow, steps, model=None):
+    """Scale, step and update ``scaler`` over ``steps`` (a plain SGD optimizer); the scale after each."""
+    torch.manual_seed(0)
+    model = model or torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scales, device = [], next(model.parameters()).device
+    for step in steps:
+        x, y = (t.to(device) for t in batch(step))
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step in overflow:
+            inject_inf(model)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("into", ["fresh", "live"])
+def test_a_state_saved_mid_hysteresis_and_mid_run_of_skips_resumes_with_its_counters(into):
+    # Saved after step 1: one overflow tolerated (counter 1 of 2) and one skip in a row. The next
+    # overflow must back off (not be tolerated again), and the one after that reach the collapse.
+    cfg = dict(init_scale=64.0, growth_interval=4, hysteresis=2, max_consecutive_skips=3)
+    overflow = {1, 2, 3}
+    full = LossScaler("cpu", **cfg)
+    with pytest.raises(LossScaleCollapse):
+        continue_scaled(full, overflow, range(5))
+    full_scales = [s for s, _ in full.scale_history]
+    saved = LossScaler("cpu", **cfg)
+    continue_scaled(saved, overflow, range(2))
+    state = copy.deepcopy(saved.state_dict())
+    assert (state["hysteresis_counter"], state["consecutive_skips"]) == (1, 1)
+    resumed = LossScaler("cpu", **cfg)
+    if into == "live":  # its counters exist already: they are overwritten
+        continue_scaled(resumed, {0}, range(1))
+    resumed.load_state_dict(state)
+    assert (resumed.hysteresis_counter, resumed.consecutive_skips) == (1, 1)
+    with pytest.raises(LossScaleCollapse, match="3 optimizer steps in a row"):
+        continue_scaled(resumed, overflow, range(2, 5))
+    assert resumed.get_scale() == full_scales[-1] == 16.0  # backed off at steps 2 and 3
+    assert (resumed.consecutive_skips, resumed.skipped_steps) == (3, 3) == (full.consecutive_skips, full.skipped_steps)
+
+
+def test_a_loaded_state_brings_its_hysteresis_bounds_and_collapse_limit():
+    saved = LossScaler("cpu", init_scale=64.0, hysteresis=3, min_scale=8.0, max_scale=4096.0, max_consecutive_skips=4)
+    run_scaled(saved, "sgd", {1}, n=3)
+    loaded = LossScaler("cpu")  # every default
+    loaded.load_state_dict(saved.state_dict())
+    assert loaded.state_dict() == saved.state_dict()  # (which holds them: hysteresis=3, min_scale=8.0...)
+    assert "hysteresis=3, min_scale=8.0, max_scale=4096.0" in repr(loaded)
+
+
+def test_a_grad_scalers_state_dict_loads_with_no_steps_counted():
+    theirs = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2)
+    run_scaled(theirs, "sgd", {1, 2}, n=5)
+    ours = LossScaler("cpu")
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.get_scale() == theirs.get_scale() and ours.get_growth_interval() == 2
+    assert (ours.total_steps, ours.skipped_steps, ours.consecutive_skips, ours.scale_history) == (0, 0, 0, [])
+    assert ours.last_step_applied and ours.hysteresis_counter == 1
+
+
+def test_load_state_dict_between_scale_and_update_takes_the_loaded_counters():
+    saved = LossScaler("cpu", init_scale=32.0)
+    run_scaled(saved, "sgd", {0, 1}, n=2)
+    scaler = LossScaler("cpu", init_scale=32.0)
+    model = torch.nn.Linear(8, 1)
+    scaler.scale(model(batch(0)[0]).sum()).backward()  # the scale exists, no update yet
+    scaler.load_state_dict(saved.state_dict())
+    assert (scaler.get_scale(), scaler.skipped_steps, scaler.consecutive_skips) == (8.0, 2, 2)
+
+
+def test_a_fresh_scaler_has_every_step_applied_and_none_skipped():
+    scaler = LossScaler("cpu", hysteresis=3)
+    for _ in range(2):  # before any step, then after scale() made the scale and its counters
+        assert scaler.last_step_applied is True
+        assert (scaler.total_steps, scaler.skipped_steps, scaler.consecutive_skips, scaler.hysteresis_counter) == (0, 0, 0, 3)
+        assert scaler.scale_history == []
+        scaler.scale(torch.tensor(1.0))
+
+
+def test_the_defaults_are_torch_grad_scalers():
+    ours, theirs = LossScaler("cpu"), torch.amp.GradScaler("cpu")
+    assert ours.get_scale() == theirs.get_scale() == 2.0**16
+    assert (ours.get_growth_factor(), ours.get_backoff_factor(), ours.get_growth_interval()) == \
+        (theirs.get_growth_factor(), theirs.get_backoff_factor(), theirs.get_growth_interval())
+
+
+@pytest.mark.gpu
+def test_the_default_device_is_cuda_where_there_is_one():
+    assert "device='cuda'" in repr(LossScaler())
+
+
+@pytest.mark.gpu
+def test_a_state_loaded_before_the_first_step_on_cuda_saves_again_after_it():
+    # The loaded history is made before the scale (on the CPU); the steps after it add to it on the GPU.
+    saved = LossScaler("cpu", init_scale=64.0)
+    run_scaled(saved, "sgd", {1}, n=3)
+    scaler = LossScaler("cuda", init_scale=64.0)
+    scaler.load_state_dict(saved.state_dict())
+    model = torch.nn.Linear(8, 1).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler.scale(model(batch(0)[0].cuda()).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert [f for _, f in scaler.state_dict()["scale_history"]] == [False, True, False, False]
+
+
+def test_update_with_a_new_scale_sets_it_as_grad_scaler_does():
+    for scaler in (LossScaler("cpu", init_scale=64.0), torch.amp.GradScaler("cpu", init_scale=64.0)):
+        run_scaled(scaler, "sgd", set(), n=1)
+        scaler.update(new_scale=128.0)
+        assert scaler.get_scale() == 128.0
+
+
+def test_repr_names_the_settings_or_says_disabled():
+    assert repr(LossScaler("cpu", enabled=False)) == "LossScaler(enabled=False)"
+    assert repr(LossScaler("cpu", hysteresis=2, min_scale=1.0)) == (
+        "LossScaler(device='cpu', growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, hysteresis=2, "
+        "min_scale=1.0, max_scale=None)")
+
+
 def test_collapse_raises_after_max_consecutive_skips_with_the_fix():
     scaler = LossScaler("cpu", init_scale=4.0, max_consecutive_skips=3)
     with pytest.raises(LossScaleCollapse, match="bf16-mixed") as info:
@@ -236,12 +412,15 @@ def test_last_step_applied_survives_state_dict_and_pickle(applied_after_load):
     assert loaded.consecutive_skips == scaler.consecutive_skips
     unpickled = pickle.loads(pickle.dumps(scaler))
     assert unpickled.consecutive_skips == scaler.consecutive_skips
+    assert unpickled.last_step_applied is applied_after_load
 
 
-def test_last_step_applied_with_a_fused_and_a_plain_optimizer_sees_either_overflow():
+@pytest.mark.parametrize("first", ["adamw-fused", "sgd"])
+def test_last_step_applied_with_a_fused_or_plain_and_a_plain_optimizer_sees_either_overflow(first):
+    # (two plain optimizers: known on the host from their steps' reads, without another)
     torch.manual_seed(0)
     a, b = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
-    fused = torch.optim.AdamW(a.parameters(), lr=0.01, fused=True)
+    fused = make_optimizer(first, a.parameters())
     plain = torch.optim.SGD(b.parameters(), lr=0.01)
     scaler = LossScaler("cpu", init_scale=8.0)
     seen = []
@@ -284,6 +463,7 @@ def test_is_a_grad_scaler():
         (dict(growth_factor=1.0), "growth_factor must be > 1.0"),
         (dict(backoff_factor=1.5), "backoff_factor must be in"),
         (dict(backoff_factor=0.0), "backoff_factor must be in"),
+        (dict(backoff_factor=1.0), "backoff_factor must be in"),
         (dict(growth_interval=0), "growth_interval must be an int >= 1"),
         (dict(init_scale=-1.0), "init_scale must be"),
         (dict(init_scale=float("inf")), "init_scale must be"),
@@ -295,6 +475,7 @@ def test_is_a_grad_scaler():
         (dict(init_scale=2.0**20, max_scale=2.0**10), "above max_scale"),
         (dict(max_consecutive_skips=0), "max_consecutive_skips must be"),
         (dict(enabled="yes"), "enabled must be True or False"),
+        (dict(history_size=0), "history_size must be an int >= 1"),
     ],
 )
 def test_bad_arguments_are_rejected_with_the_fix(kwargs, match):

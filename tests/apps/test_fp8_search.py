@@ -10,7 +10,9 @@ rescues; the doctor must make the right call on each, and its written filter, ap
 from __future__ import annotations
 
 import json
+import math
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,14 @@ pytest.importorskip("torchao.float8")
 from mixprec import Accelerator  # noqa: E402
 from mixprec.apps.fp8_doctor import Fp8DoctorConfig, run_fp8_doctor, write_fp8_filter  # noqa: E402
 from mixprec.apps.fp8_report import summary_lines  # noqa: E402
-from mixprec.apps.fp8_search import TOLERANCE_CAP, TOLERANCE_FLOOR, loss_tolerance, verify_float8  # noqa: E402
+from mixprec.apps.fp8_search import (  # noqa: E402
+    NORMAL_BINADES,
+    TOLERANCE_CAP,
+    TOLERANCE_FLOOR,
+    loss_tolerance,
+    rank_float8_layers,
+    verify_float8,
+)
 from mixprec.precision import PrecisionConfig  # noqa: E402
 from mixprec.precision.fp8 import load_fp8_filter  # noqa: E402
 from mixprec.trainer.datasets import collate  # noqa: E402
@@ -332,3 +341,110 @@ def test_a_probe_between_one_and_two_tolerances_above_bf16_misses_and_one_at_the
     assert not refused["fp8"] and "no filter came within 25.00%" in refused["reason"]
     passed = verify_float8(layers, rec, lambda keep: 1.25, bf16_loss=1.0, tolerance=0.25)
     assert passed["fp8"] and passed["probes"][0]["within"] and passed["probes"][0]["gap"] == 0.25
+
+
+def test_the_normal_binades_are_those_of_torchs_float8_formats():
+    for name, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        f = torch.finfo(dtype)
+        assert NORMAL_BINADES[name] == pytest.approx(math.log2(f.max / f.smallest_normal), abs=1e-12)
+
+
+def test_the_tolerance_at_its_bounds_and_without_a_bf16_loss():
+    # (0.25 and 2.5 / 2.0 are exact binary fractions: the gap is exactly the floor, then the cap)
+    at_floor, at_cap = loss_tolerance(2.0, 2.5, floor=0.25, cap=0.5), loss_tolerance(2.0, 2.5, floor=0.125, cap=0.25)
+    assert at_floor["value"] == at_cap["value"] == 0.25
+    assert at_floor["rule"] == at_cap["rule"] == "two bf16-mixed seeds' losses differ by 25.00%"
+    assert loss_tolerance(0.0, 0.1)["seed_gap"] == 0.0 and loss_tolerance(0.0, 0.1)["value"] == TOLERANCE_FLOOR
+    assert loss_tolerance(2.0, 2.2, override=0.005)["rule"] == "set by the user"
+
+
+def _stats(flushed: float = 0.0, saturated: float = 0.0, range_: float | None = None, fmt: str = "e4m3") -> dict:
+    return {"amax": 1.0, "flushed": flushed, "saturated": saturated, "range": range_, "format": fmt}
+
+
+def test_each_signal_is_scored_against_its_own_limit_and_ties_go_to_the_larger_sum():
+    e4m3 = NORMAL_BINADES["e4m3"]
+    rows = {
+        "quiet": {},  # nothing measured: not ranked, and the others still are
+        "w": {"weight": _stats(saturated=0.02), "output_error": 0.1, "grad_input_error": 0.1},
+        "r": {"input": _stats(range_=3 * e4m3)},  # no error measured for it
+        "o": {"output_error": 1.6, "grad_input_error": 0.1},
+        "g": {"grad_output": _stats(flushed=0.005, fmt="e5m2"), "output_error": 0.1, "grad_input_error": 0.8},
+    }
+    layers = {n: {"default": None, "tensorwise": row} for n, row in rows.items()}
+    ranked = rank_float8_layers(layers, list(layers), "tensorwise")  # error_ratio 4: errors suspect at 4x the median (0.1)
+    assert [r["layer"] for r in ranked] == ["o", "r", "g", "w"]  # g and w tie at 2: g's sum is the larger
+    by = {r["layer"]: r for r in ranked}
+    assert by["o"]["severities"] == pytest.approx({"output error": 4.0, "input-gradient error": 0.25})
+    assert by["r"]["severities"] == pytest.approx({"input flushed": 0, "input saturated": 0, "input range": 3.0})
+    assert by["g"]["severities"] == pytest.approx({"output gradient flushed": 0.5, "output gradient saturated": 0,
+                                                   "output error": 0.25, "input-gradient error": 2.0})
+    assert by["w"]["severities"] == pytest.approx({"weight flushed": 0, "weight saturated": 2.0, "output error": 0.25,
+                                                   "input-gradient error": 0.25})
+    assert (by["w"]["signal"], by["w"]["value"], by["w"]["why"]) == (
+        "weight saturated", 0.02, "2.0% of its weight saturates in e4m3")
+    assert by["r"]["why"].startswith(f"its input spans {3 * e4m3:.1f} binades from its median magnitude")
+    zero = {"a": {"default": None, "tensorwise": {"input": _stats(flushed=0.02), "output_error": 0.0}}}
+    assert rank_float8_layers(zero, ["a"], "tensorwise")[0]["severities"] == {"input flushed": 2.0, "input saturated": 0}
+
+
+def _filters(layers, rec, passes, **kwargs):
+    """verify_float8 with a probe that passes (loss 1.0) exactly when ``passes(kept layers)``, else ends +50%."""
+    return verify_float8(layers, rec, lambda keep: 1.0 if passes(set(keep)) else 1.5, bf16_loss=1.0, tolerance=0.02,
+                         **kwargs)
+
+
+def test_a_recommendation_keeping_every_layer_is_bf16_mixed_without_a_probe_and_one_keeping_none_is_probed():
+    layers = _layers(a=0.0)
+    rec = {"recipe": "tensorwise", "keep_in_bf16": {"first": "the first", "a": "its input", "last": "the last"}}
+    assert _filters(layers, rec, lambda keep: True) == {
+        "recipe": "tensorwise", "ranking": [], "max_probes": 4, "probes": [], "fp8": False,
+        "keep_in_bf16": rec["keep_in_bf16"], "converted": [],
+        "reason": "no Linear layer is left to convert to float8 (`first`: the first; `a`: its input; `last`: the "
+                  "last). Train this model in bf16-mixed."}
+    none_kept = _filters(layers, {"recipe": "tensorwise", "keep_in_bf16": {}}, lambda keep: True)
+    assert none_kept["fp8"] and len(none_kept["probes"]) == 2
+
+
+def test_a_verified_filter_says_its_gap_and_labels_each_probe_by_what_it_keeps():
+    layers = _layers(a=0.0, b=0.0)
+    rec = {"recipe": "tensorwise", "keep_in_bf16": {"first": "", "last": "", "a": "its input"}}
+    got = verify_float8(layers, rec, lambda keep: time.sleep(0.01) or 1.0, bf16_loss=1.0, tolerance=0.02)
+    assert got["reason"] == "its loss probe ends +0.00% against bf16-mixed, within the tolerance of 2.00%"
+    assert [p["label"] for p in got["probes"]] == [
+        "fp8, torchao's default filter (the first and the last Linear in bf16)", "fp8, recommended filter (+ a)"]
+    assert all(0.01 <= p["seconds"] < 60 for p in got["probes"]) and got["max_probes"] == 4
+
+
+def test_the_search_prunes_every_layer_added_before_the_last_within_its_budget_of_four_probes():
+    layers = _layers(a=0.5, b=0.4, c=0.3, d=0.0)  # ranked a, b, c, d
+    rec = {"recipe": "tensorwise", "keep_in_bf16": {"first": "", "last": ""}}
+    needs_b_and_c = lambda keep: {"b", "c"} <= keep  # noqa: E731
+    labels = ["search 1: + a", "search 2: + b", "search 3: + c", "prune 4: - a", "prune 5: - b"]
+    wide = _filters(layers, rec, needs_b_and_c, max_probes=6)
+    assert [p["label"] for p in wide["probes"]][1:] == labels and set(wide["keep_in_bf16"]) == {"first", "last", "b", "c"}
+    default = _filters(layers, rec, needs_b_and_c)  # four probes past the first: no prune of b
+    assert [p["label"] for p in default["probes"]][1:] == labels[:4]
+    spent = _filters(layers, rec, lambda keep: "b" in keep, max_probes=2)  # passes with the budget's last probe
+    assert [p["label"] for p in spent["probes"]][1:] == labels[:2]
+    first = _filters(layers, rec, lambda keep: "a" in keep)  # the first search probe passes: nothing to prune
+    assert [p["label"] for p in first["probes"]][1:] == labels[:1]
+
+
+def test_a_refusal_names_the_closest_filter_and_the_signals_at_or_above_their_limit_or_says_none_is_suspect():
+    rec = {"recipe": "tensorwise", "keep_in_bf16": {"first": "", "last": ""}}
+
+    def losses(keep):  # each layer kept brings the loss closer, never within the tolerance
+        return 1.5 - 0.125 * len(set(keep) - {"first", "last"})
+
+    at_limit = verify_float8(_layers(a=0.01, b=0.0), rec, losses, bf16_loss=1.0, tolerance=0.02, max_probes=0)
+    assert "the closest, keeping `first`, `last` in bf16, ended +50.00%" in at_limit["reason"]
+    assert "`a`: input flushed (1.0% of its input flushes to zero in e4m3)" in at_limit["reason"]  # severity 1: named
+    assert "keeping one more layer would leave nothing" not in at_limit["reason"]  # two ranked, none added
+    searched = verify_float8(_layers(a=0.005, b=0.0), rec, losses, bf16_loss=1.0, tolerance=0.02)
+    assert "the closest, keeping `a`, `first`, `last` in bf16, ended +37.50%" in searched["reason"]
+    assert "; keeping one more layer would leave nothing in float8" in searched["reason"]
+    assert ". No signal the probe measured is suspect (the worst: `a`, input flushed, severity 0.50: 0.5% of its " \
+           "input flushes to zero in e4m3)" in searched["reason"]
+    single = verify_float8(_layers(a=0.0), rec, losses, bf16_loss=1.0, tolerance=0.02, max_probes=0)
+    assert "; keeping one more layer would leave nothing in float8" in single["reason"]  # one ranked

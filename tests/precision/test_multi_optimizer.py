@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mixprec import Accelerator, LossScaler, resolve_precision
+from mixprec.precision import ScaledSteps
 
 INIT, STEPS = 1024.0, 4
 
@@ -172,15 +173,23 @@ def test_critic_stepped_several_times_per_generator_step_matches_torchs_recipe()
     assert (od.skipped_steps, og.skipped_steps) == (sum(ref_skips), 0)
 
 
-def test_an_inf_in_one_models_gradients_skips_only_its_optimizer_and_its_scheduler():
+def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    # A fused optimizer skips on the device: which one skipped is known on the host only by a read.
+    if kind == "adamw-fused":
+        return torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw-fused"])
+def test_an_inf_in_one_models_gradients_skips_only_its_optimizer_and_its_scheduler(kind):
     a, b = _models()
     ra, rb = _models()
     acc = _accelerator()
-    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    oa, ob = _optimizer(kind, a), _optimizer(kind, b)
     sa = torch.optim.lr_scheduler.StepLR(oa, step_size=1, gamma=0.5)
     sb = torch.optim.lr_scheduler.StepLR(ob, step_size=1, gamma=0.5)
     a, b, oa, ob, sa, sb = acc.prepare(a, b, oa, ob, sa, sb)
-    roa, rob = torch.optim.SGD(ra.parameters(), lr=0.1), torch.optim.SGD(rb.parameters(), lr=0.1)
+    roa, rob = _optimizer(kind, ra), _optimizer(kind, rb)
     rsa = torch.optim.lr_scheduler.StepLR(roa, step_size=1, gamma=0.5)
     rsb = torch.optim.lr_scheduler.StepLR(rob, step_size=1, gamma=0.5)
     scaler = _torch_scaler()
@@ -191,7 +200,9 @@ def test_an_inf_in_one_models_gradients_skips_only_its_optimizer_and_its_schedul
         scaler.scale(loss).backward()
         if step == 1:
             _inject_inf(b); _inject_inf(rb)  # noqa: E702
-        oa.step(); ob.step(); sa.step(); sb.step()  # noqa: E702
+        oa.step(); ob.step()  # noqa: E702
+        assert (bool(oa.skip_flag), bool(ob.skip_flag)) == (False, step == 1)  # (no sync: a device flag if fused)
+        sa.step(); sb.step()  # noqa: E702
         assert (oa.step_was_skipped, ob.step_was_skipped, acc.optimizer_step_was_skipped) == (
             False, step == 1, step == 1)
         scaler.step(roa); scaler.step(rob); scaler.update()  # noqa: E702
@@ -206,26 +217,39 @@ def test_an_inf_in_one_models_gradients_skips_only_its_optimizer_and_its_schedul
     assert (sa.last_epoch, sb.last_epoch) == (STEPS, STEPS - 1)
 
 
-def test_gradients_held_across_an_update_are_unscaled_by_the_scale_they_carry():
-    # A steps every iteration, B every second one from the same loss: B's gradients add up over
-    # two iterations whose scales differ (it grows each update). fp32 compute with a power-of-two
-    # scale is exact, so the scaled run must match the unscaled one; a scaler updated between
-    # B's backwards without carrying its gradients would unscale half of them by the wrong scale.
+@pytest.mark.parametrize("n_models, every, clip", [(2, 2, False), (2, 3, False), (3, 2, False), (2, 2, True)],
+                         ids=["every-2nd", "every-3rd", "three-optimizers", "clipped"])
+def test_gradients_held_across_an_update_are_unscaled_by_the_scale_they_carry(n_models, every, clip):
+    # The first optimizers step every iteration, the last every ``every``-th one from the same loss:
+    # its gradients add up over iterations whose scales differ (it grows each update). fp32 compute
+    # with a power-of-two scale is exact, so the scaled run must match the unscaled one; a scaler
+    # updated between its backwards without carrying its gradients would unscale some of them by
+    # the wrong scale. Every third: a backward adds to gradients carried across an update; three
+    # optimizers: the third prepared is watched as the first two; clipped: each optimizer's
+    # gradients are unscaled and clipped before its step (a second unscale of the first since the
+    # update starts a new iteration: clipping the scaled gradients would clip them far more).
     def run(scaled: bool) -> list[torch.Tensor]:
-        a, b = _models()
+        torch.manual_seed(0)
+        models = [torch.nn.Linear(4, 4) for _ in range(n_models - 1)] + [torch.nn.Linear(4, 1)]
         policy = dataclasses.replace(resolve_precision("bf16"), autocast_enabled=False)
         acc = Accelerator(mixed_precision=policy, cpu=True,
                           loss_scaler=LossScaler("cpu", init_scale=2.0**10, growth_interval=1) if scaled else None)
-        oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
-        a, b, oa, ob = acc.prepare(a, b, oa, ob)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        prepared = acc.prepare(*models, *optimizers)
+        models, optimizers = prepared[:n_models], prepared[n_models:]
         for step in range(6):
-            acc.backward(b(a(_x(step))).pow(2).mean())
-            oa.step(); oa.zero_grad()  # noqa: E702
-            if step % 2 == 1:
-                ob.step(); ob.zero_grad()  # noqa: E702
+            out = _x(step)
+            for m in models:
+                out = m(out)
+            acc.backward(out.pow(2).mean())
+            for i, o in enumerate(optimizers):
+                if i < n_models - 1 or step % every == every - 1:
+                    if clip:
+                        acc.clip_grad_norm_(models[i].parameters(), 0.05)
+                    o.step(); o.zero_grad()  # noqa: E702
         if scaled:
             assert acc.scaler.get_scale() > 2.0**10
-        return [p.detach().clone() for p in [*a.parameters(), *b.parameters()]]
+        return [p.detach().clone() for m in models for p in m.parameters()]
 
     for p, q in zip(run(True), run(False)):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
@@ -241,3 +265,144 @@ def test_diagnostics_watch_every_prepared_model():
     assert len(acc.monitor.models) == 2 and acc.monitor.models[0] is a and acc.monitor.models[1] is b
     modules = set(acc.monitor.summary())
     assert "" in modules and "model1." in modules, modules  # a's root parameters, and b's
+
+
+def test_gradients_unscaled_and_held_across_an_update_are_unscaled_once():
+    # Both models are clipped (unscaled) after the first loss; a second loss reaches A alone, whose
+    # second step starts a new iteration while B holds its true gradients: B steps on them, not
+    # on them divided by the new scale.
+    def run(scaled: bool) -> list[torch.Tensor]:
+        a, b = _models()
+        policy = dataclasses.replace(resolve_precision("bf16"), autocast_enabled=False)
+        acc = Accelerator(mixed_precision=policy, cpu=True,
+                          loss_scaler=LossScaler("cpu", init_scale=2.0**10, growth_interval=1) if scaled else None)
+        oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+        a, b, oa, ob = acc.prepare(a, b, oa, ob)
+        for step in range(3):
+            acc.backward(b(a(_x(step))).pow(2).mean())
+            acc.clip_grad_norm_([*a.parameters(), *b.parameters()], 0.05)
+            oa.step(); oa.zero_grad()  # noqa: E702
+            acc.backward(a(_x(step + 10)).pow(2).mean())
+            oa.step(); oa.zero_grad()  # noqa: E702
+            ob.step(); ob.zero_grad()  # noqa: E702
+        if scaled:
+            assert acc.scaler.get_scale() > 2.0**10
+        return [p.detach().clone() for p in [*a.parameters(), *b.parameters()]]
+
+    for p, q in zip(run(True), run(False)):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_generator_loss_waits_for_the_generators_step_and_its_overflow_backs_off_at_the_end_of_the_iteration(
+        masked):
+    # The generator's loss reaches the critic (stepped) and the generator (not yet): no update
+    # before the generator's step, wherever the graph walk meets an input without a gradient (a
+    # mask) before the generator's parameters. Its overflow (step 1) backs the scale off at once.
+    acc, (g, d, og, od), (rg, rd, rog, rod), scaler = _gan_pair()
+    mask = torch.ones(8, 4) if masked else None
+
+    def generator_loss(g, d, step):
+        z = _x(step)
+        out = g(z) * mask if masked else g(z)
+        return -d(out).float().mean()
+
+    for step in range(3):
+        loss_d, _ = _gan_losses(g, d, step)
+        od.zero_grad(); acc.backward(loss_d()); od.step()  # noqa: E702
+        og.zero_grad(); acc.backward(generator_loss(g, d, step))  # noqa: E702
+        if step == 1:
+            _inject_inf(g)
+        og.step()
+        assert og.step_was_skipped is (step == 1)
+
+        ref_d, _ = _gan_losses(_in_autocast(rg), _in_autocast(rd), step)
+        rod.zero_grad()
+        scaler.scale(ref_d()).backward()
+        scaler.step(rod)
+        rog.zero_grad()
+        scaler.scale(generator_loss(_in_autocast(rg), _in_autocast(rd), step)).backward()
+        if step == 1:
+            _inject_inf(rg)
+        scaler.step(rog)
+        scaler.update()
+        assert acc.scaler.get_scale() == scaler.get_scale(), step
+    _assert_same([g, d], [rg, rd])
+    assert acc.scaler.total_steps == 3
+
+
+def test_a_loss_reaching_no_prepared_optimizer_leaves_a_half_stepped_iteration_open():
+    a, b = _models()
+    aux = torch.nn.Linear(4, 1)  # a model no prepared optimizer steps
+    acc = _accelerator()
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    a, b, oa, ob = acc.prepare(a, b, oa, ob)
+    acc.backward(b(a(_x(0))).float().pow(2).mean())
+    oa.step()
+    acc.backward(aux(_x(1)).pow(2).mean())
+    assert acc.scaler.total_steps == 0 and acc.scaler.get_scale() == INIT
+    ob.step()  # the iteration closes here, once
+    assert acc.scaler.total_steps == 1 and acc.scaler.get_scale() == 2 * INIT
+
+
+def test_the_graph_walk_of_a_half_stepped_iteration_visits_each_node_once():
+    # Residual connections make paths through a graph double at each block: a walk that revisited
+    # nodes would take 2**40 steps here.
+    class CountingDict(dict):
+        calls = 0
+
+        def get(self, *args):
+            CountingDict.calls += 1
+            assert CountingDict.calls < 10_000, "the walk revisits nodes"
+            return super().get(*args)
+
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    steps = ScaledSteps(LossScaler("cpu", init_scale=INIT))
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    steps.track_optimizer(oa)
+    steps.track_optimizer(ob)
+    steps.backward(b(a(_x(0))).pow(2).mean())
+    steps.optimizer_step(oa)  # b has not stepped: the iteration is half stepped
+    steps._owner = CountingDict(steps._owner)
+    h = a(_x(1))
+    for _ in range(40):
+        h = h + h * 0.5
+    steps.backward(h.pow(2).mean())  # reaches a (stepped) alone: the walk goes through the whole graph
+    assert CountingDict.calls < 200 and steps.scaler.total_steps == 1  # (and it closed the iteration)
+
+
+def test_before_their_first_step_prepared_optimizers_have_skipped_nothing():
+    for n in (1, 2):
+        a, b = _models()
+        acc = _accelerator()
+        prepared = acc.prepare(*[torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)[:n]])
+        for o in prepared if n > 1 else [prepared]:
+            assert (o.step_was_skipped, o.skip_flag, o.skipped_steps) == (False, False, 0)
+
+
+def test_a_checkpoint_of_a_half_stepped_iteration_holds_the_scale_after_its_update(tmp_path):
+    a, b = _models()
+    acc = _accelerator()
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    a, b, oa, ob = acc.prepare(a, b, oa, ob)
+    acc.backward(b(a(_x(0))).float().pow(2).mean())
+    oa.step()  # b has not stepped: the iteration is open
+    acc.save_state(tmp_path / "ckpt")
+    loaded, (la, lb) = _accelerator(), _models()
+    loaded.prepare(la, lb, torch.optim.SGD(la.parameters(), lr=0.1), torch.optim.SGD(lb.parameters(), lr=0.1))
+    loaded.load_state(tmp_path / "ckpt")
+    assert (loaded.scaler.get_scale(), loaded.scaler.total_steps) == (2 * INIT, 1) == (
+        acc.scaler.get_scale(), acc.scaler.total_steps)
+
+
+def test_after_free_memory_the_next_runs_optimizer_closes_each_iteration():
+    acc = _accelerator()
+    for run in range(2):
+        a, _ = _models()
+        model, opt = acc.prepare(a, torch.optim.SGD(a.parameters(), lr=0.1))
+        for step in range(2):
+            acc.backward(model(_x(step)).float().pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+        assert acc.scaler.total_steps == 2 * (run + 1)  # one update per step, in the second run too
+        acc.free_memory()

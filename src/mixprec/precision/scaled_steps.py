@@ -135,8 +135,10 @@ class ScaledSteps:
         held = [i for i, o in self._optimizers.items() if i not in self._carried and (
             i in self._fresh or (scaler.is_unscaled(o) and not scaler.has_stepped(o)))]
         old = scaler.get_scale_tensor().clone() if held else None
-        # Unscaled and not stepped: true values. Fresh after a step: scaled again, by ``old``.
-        unscaled = {i for i in held if scaler.is_unscaled(self._optimizers[i]) and i not in self._fresh}
+        # Unscaled and not stepped (fresh from the backward before the unscale, or not): true values.
+        # Fresh after a step: scaled again, by ``old``.
+        unscaled = {i for i in held if scaler.is_unscaled(self._optimizers[i])
+                    and not scaler.has_stepped(self._optimizers[i])}
         self._stepped.clear()
         for i in held:
             self._carried[i] = None if i in unscaled else old

@@ -150,6 +150,9 @@ class LossScaler(GradScaler):
         self._consecutive = torch.full((), pending.get("consecutive_skips", 0), dtype=torch.int64, device=dev)
         self._consecutive_on_host = pending.get("consecutive_skips", 0)
         self._pending_counters = {}
+        # A history loaded or unpickled before the scale existed was made on the CPU: on the scale's
+        # device, beside what update() adds to it (scale_history stacks them all).
+        self._history = collections.deque((h.to(dev) for h in self._history), maxlen=self._history_size)
 
     def scale(self, outputs: Any) -> Any:
         """Multiply ``outputs`` (a tensor or nested tensors) by the scale; GradScaler's ``scale``. No sync."""
@@ -280,11 +283,11 @@ class LossScaler(GradScaler):
         kernels use to skip, not inferred from a change of scale. ``True`` before any step and
         when disabled.
         """
-        if not self._enabled or self._last_found_inf is None:
+        if not self._enabled:
             return True
-        if self._last_overflow_on_host is not None:
+        if self._last_overflow_on_host is not None:  # told by a read, or restored with the state
             return not self._last_overflow_on_host
-        return not bool(self._last_found_inf.item())
+        return self._last_found_inf is None or not bool(self._last_found_inf.item())
 
     @property
     def total_steps(self) -> int:
@@ -369,10 +372,12 @@ class LossScaler(GradScaler):
             maxlen=self._history_size,
         )
         applied = state_dict.get("last_step_applied")
-        self._last_found_inf = None if applied is None else torch.tensor(not applied, device=dev)
+        self._last_found_inf = None  # (the host's answer is the one read until the next update())
         self._last_overflow_on_host = None if applied is None else not applied
 
     def __getstate__(self) -> dict[str, Any]:
+        # As GradScaler's: no device tensor is pickled; what they hold goes as host values (as in
+        # state_dict), rebuilt on the scale's device when the unpickled scaler makes its scale.
         state = super().__getstate__()
         if self._enabled:
             state["_pending_counters"] = {
@@ -381,9 +386,12 @@ class LossScaler(GradScaler):
                 "consecutive_skips": self.consecutive_skips,
             }
             state["_hysteresis_counter"] = state["_skipped"] = state["_consecutive"] = None
-            state["_last_found_inf"] = state["_last_overflow_on_host"] = None
+            seen = self._last_found_inf is not None or self._last_overflow_on_host is not None
+            state["_last_found_inf"] = None
+            state["_last_overflow_on_host"] = (not self.last_step_applied) if seen else None
             state["_consecutive_on_host"] = state["_pending_counters"]["consecutive_skips"]
-            state["_history"] = collections.deque(maxlen=self._history_size)
+            state["_history"] = collections.deque((torch.tensor([s, float(f)]) for s, f in self.scale_history),
+                                                  maxlen=self._history_size)
         return state
 
     def __repr__(self) -> str:
