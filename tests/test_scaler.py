@@ -568,3 +568,22 @@ def test_torch_grad_scaler_private_contract_that_loss_scaler_overrides_still_hol
         f"{where}.step did not go through LossScaler._maybe_opt_step (the host's answer is {on_host!r})"
     scaler.update()
     assert not scaler.has_stepped(opt) and scaler.found_inf(opt) == (None, None)
+
+
+def test_update_before_any_scale_says_which_call_came_first():
+    with pytest.raises(AssertionError, match="Attempted update but _scale is None"):
+        LossScaler("cpu").update()
+
+
+def test_a_scale_made_without_scale_gets_its_counters_at_the_first_update():
+    # GradScaler's own path for a scale made before any scale() call (its private lazy init, as
+    # torch's sharded scalers call it): update() makes the counters beside it.
+    scaler = LossScaler("cpu", init_scale=8.0, hysteresis=2)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    model.weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert (scaler.get_scale(), scaler.skipped_steps, scaler.hysteresis_counter) == (8.0, 1, 1)  # tolerated once

@@ -406,3 +406,16 @@ def test_after_free_memory_the_next_runs_optimizer_closes_each_iteration():
             opt.zero_grad()
         assert acc.scaler.total_steps == 2 * (run + 1)  # one update per step, in the second run too
         acc.free_memory()
+
+
+def test_free_memory_takes_the_gradient_hooks_of_several_optimizers_off_their_parameters():
+    # With several optimizers each parameter gets a hook that marks its optimizer's gradients
+    # fresh; the next run's objects are new, and the old ones must not keep calling into the scaler.
+    acc = _accelerator()
+    a, b = _models()
+    model_a, opt_a, model_b, opt_b = acc.prepare(a, torch.optim.SGD(a.parameters(), lr=0.1),
+                                                 b, torch.optim.SGD(b.parameters(), lr=0.1))
+    params = [*a.parameters(), *b.parameters()]
+    assert all(p._post_accumulate_grad_hooks for p in params)
+    acc.free_memory()
+    assert not any(p._post_accumulate_grad_hooks for p in params)

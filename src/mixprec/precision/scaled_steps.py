@@ -165,7 +165,7 @@ class ScaledSteps:
         if self._stepped:
             self._close_iteration()
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         optimizer.zero_grad(set_to_none=set_to_none)
         self._carried.pop(id(optimizer), None)
         self._fresh.discard(id(optimizer))
@@ -200,17 +200,6 @@ class ScaledSteps:
         if self._scaler.is_unscaled(optimizer):
             return None
         return self._scaler
-
-    def log_values(self) -> dict[str, Any]:
-        """The loss scale and the skipped steps (syncs)."""
-        return {"loss_scale": self._scaler.get_scale(), "skipped_steps": self._scaler.skipped_steps}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._scaler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            self._scaler.load_state_dict(state)
 
     def release(self) -> None:
         """Remove the parameter hooks (when the run switches to another precision)."""

@@ -135,7 +135,7 @@ class LossScaler(GradScaler):
         self._last_found_inf: torch.Tensor | None = None
         # What host reads already told, so that nothing is read twice: None = unknown on the host.
         self._last_overflow_on_host: bool | None = None
-        self._consecutive_on_host: int | None = 0
+        self._consecutive_on_host: int | None = None  # set with the counters
         self._history: collections.deque[torch.Tensor] = collections.deque(maxlen=history_size)
         self._pending_counters: dict[str, int] = {}
 
@@ -386,10 +386,8 @@ class LossScaler(GradScaler):
                 "consecutive_skips": self.consecutive_skips,
             }
             state["_hysteresis_counter"] = state["_skipped"] = state["_consecutive"] = None
-            seen = self._last_found_inf is not None or self._last_overflow_on_host is not None
             state["_last_found_inf"] = None
-            state["_last_overflow_on_host"] = (not self.last_step_applied) if seen else None
-            state["_consecutive_on_host"] = state["_pending_counters"]["consecutive_skips"]
+            state["_last_overflow_on_host"] = not self.last_step_applied  # (False before any step)
             state["_history"] = collections.deque((torch.tensor([s, float(f)]) for s, f in self.scale_history),
                                                   maxlen=self._history_size)
         return state
