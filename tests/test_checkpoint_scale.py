@@ -144,9 +144,10 @@ def test_a_hashing_file_is_durable_when_closed_and_closes_what_it_opened(tmp_pat
         assert fh.writable() and not fh.seekable()  # torch.save writes it as a stream
         fh.write(b"abc")
         fh.write(bytearray(3 << 20))  # a large write: hashed while it is written
+        fh.write(b"xyz")  # and a small last one: on disk when fsynced (nothing held in a buffer)
     fh.close()  # a second close does nothing
-    assert syncs.synced == {str(tmp_path / "a.bin"): 3 + (3 << 20)} and _open_fds() == before
-    assert rows == [(3 + (3 << 20), sha256_file(tmp_path / "a.bin"))]
+    assert syncs.synced == {str(tmp_path / "a.bin"): 6 + (3 << 20)} and _open_fds() == before
+    assert rows == [(6 + (3 << 20), sha256_file(tmp_path / "a.bin"))]
     with HashingFile(tmp_path / "empty.bin", lambda size, digest: rows.append((size, digest))):
         pass
     assert rows[-1] == (0, sha256_file(tmp_path / "empty.bin"))

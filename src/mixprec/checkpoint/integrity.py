@@ -71,7 +71,6 @@ class HashingFile:
         self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by close()
         self._hash = hashlib.sha256()
         self._size = 0
-        self._last: Future[Any] | None = None
         self._on_close, self._sync = on_close, sync
         self._error: OSError | None = None
         self.closed = False
@@ -84,7 +83,7 @@ class HashingFile:
         if n == 0 or self._error is not None:
             return n
         if n <= _SMALL:
-            self._last = _HASHER.submit(self._hash.update, bytes(view))
+            _HASHER.submit(self._hash.update, bytes(view))
             self._write_all(view)
         else:
             hashed = _HASHER.submit(self._hash.update, view)
@@ -125,9 +124,7 @@ class HashingFile:
             return
         self.closed = True
         try:
-            if self._last is not None:
-                self._last.result()
-            digest = _HASHER.submit(self._hash.hexdigest).result()
+            digest = _HASHER.submit(self._hash.hexdigest).result()  # one thread: after every update
             if self._error is not None:
                 raise self._error
             if callable(self._sync):
