@@ -290,6 +290,42 @@ def test_seedable_epochs_replay_with_set_epoch_and_data_seed_decides_the_order()
     assert other != got
 
 
+@pytest.mark.parametrize("shape", ["sampler_in_own_batch_sampler", "no_generator_in_batch_sampler", "user_generator"])
+def test_seedable_orders_are_accelerates_whatever_generator_or_batch_sampler_the_random_sampler_has(shape):
+    """With use_seedable_sampler (transformers' Trainer's default), Accelerate seeds each epoch's
+    order with seed + epoch for the RandomSampler it finds, the DataLoader's or the one inside its
+    batch sampler, whatever generator it draws from: sentence-transformers' trainer gives a batch
+    sampler of its own around a RandomSampler with its own generator. The same batches, epoch for
+    epoch and again after set_epoch, and the same global RNG after them."""
+    accelerate = pytest.importorskip("accelerate")
+    import mixprec
+
+    def loader():
+        data, g = list(range(11)), torch.Generator().manual_seed(7)
+        if shape == "user_generator":
+            return DataLoader(data, batch_size=3, shuffle=True, generator=g)
+        sampler = torch.utils.data.RandomSampler(data, generator=None if shape.startswith("no_") else g)
+        return DataLoader(data, batch_sampler=torch.utils.data.BatchSampler(sampler, 3, drop_last=False))
+
+    def orders(lib):
+        torch.manual_seed(42)
+        config = lib.DataLoaderConfiguration(use_seedable_sampler=True)
+        dl = lib.Accelerator(cpu=True, dataloader_config=config).prepare(loader())
+        epochs = []
+        for epoch in (0, 1, 2, 1):
+            dl.set_epoch(epoch)
+            epochs.append([b.tolist() for b in dl])
+        return epochs, torch.rand(1).item()
+
+    try:
+        theirs = orders(accelerate)
+    finally:
+        accelerate.state.AcceleratorState._reset_state(True)
+    ours = orders(mixprec)
+    assert ours == theirs
+    assert ours[0][0] != ours[0][1] and ours[0][3] == ours[0][1]  # epochs differ; set_epoch replays one
+
+
 @pytest.mark.parametrize("stateful", [False, True])
 def test_load_state_resumes_where_accelerate_does_or_at_the_next_batch_when_stateful(tmp_path, stateful):
     """Default (Accelerate's): the epoch that was running starts again at its first batch, in its

@@ -149,10 +149,10 @@ class _ShardedBatchSampler:
     The order is set here, where the indices are drawn, not in the loader: a ``DataLoader`` rebuilt
     around this batch sampler (Accelerate's free function ``skip_first_batches`` does that, and
     transformers' Trainer calls ``set_epoch`` on it) gives the same batches. When the sampler
-    shuffles with ``generator`` (the prepared loader's own), each epoch reseeds it by ``shuffle``:
-    ``"seedable"`` with ``seed + epoch``; ``"per_epoch"`` with a draw of torch's global RNG (what
-    torch's ``RandomSampler`` draws); ``"continue"`` lets it run on. A loader that does not shuffle
-    draws nothing here.
+    shuffles with ``generator`` (the prepared loader's own; with ``"seedable"``, whoever's), each
+    epoch reseeds it by ``shuffle``: ``"seedable"`` with ``seed + epoch``; ``"per_epoch"`` with a
+    draw of torch's global RNG (what torch's ``RandomSampler`` draws); ``"continue"`` lets it run
+    on. A loader that does not shuffle draws nothing here.
     """
 
     def __init__(self, batch_sampler: Any, world_size: int, rank: int, drop_last: bool, *, split: bool = False,
@@ -260,7 +260,7 @@ class PreparedDataLoader(DataLoader):
         # data_seed); "per_epoch" seeds it from a draw of torch's global RNG at each epoch's start
         # (one process: torch's own RandomSampler; several, dispatched: process 0's); "continue" lets
         # it run on from ``seed`` (several processes: the synchronised generator). A user's generator
-        # simply runs on.
+        # simply runs on, except under "seedable" (below).
         if shuffle not in ("seedable", "per_epoch", "continue"):
             raise ValueError(f"shuffle must be 'seedable', 'per_epoch' or 'continue', got {shuffle!r}")
         self._own_generator = user_gen is None
@@ -314,12 +314,21 @@ class PreparedDataLoader(DataLoader):
         shuffles = isinstance(sampler, RandomSampler) and sampler.generator is None and self._own_generator
         if shuffles:
             sampler.generator = self.synchronized_generator  # the shuffle order becomes part of our state
+        order = self.synchronized_generator if shuffles else None
+        inner = getattr(loader.batch_sampler, "sampler", None)  # where Accelerate's get_sampler looks
+        if order is None and shuffle == "seedable" and isinstance(inner, RandomSampler):
+            # Accelerate's SeedableRandomSampler: epoch e's order is seed + e's, whatever generator the
+            # RandomSampler draws from: a user's, or none, and also one inside a batch sampler of the
+            # user's own (sentence-transformers'), which the DataLoader's ``sampler`` does not show.
+            if inner.generator is None:
+                inner.generator = torch.Generator()
+            order = inner.generator
         # Dispatched, process 0 reads the whole epoch (nothing sharded) and the others read nothing.
         sharded_over = 1 if self._dispatch else world_size
         batch_sampler = self._sharder = _ShardedBatchSampler(
             loader.batch_sampler, sharded_over, rank if sharded_over > 1 else 0,
             getattr(loader.batch_sampler, "drop_last", False), split=split_batches, even=even_batches,
-            generator=self.synchronized_generator if shuffles else None, shuffle=shuffle, seed=seed)
+            generator=order, shuffle=shuffle, seed=seed)
         # With our own generator, the workers' base seed is drawn from torch's global RNG, as torch's
         # and Accelerate's loaders draw it (``generator=None``); a DataLoader rebuilt from this one
         # (Accelerate's ``skip_first_batches``) then draws it alike.
