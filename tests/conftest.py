@@ -6,7 +6,8 @@ holds what pytest itself must see.
 * ``@pytest.mark.gpu`` is the one mechanism for tests that need CUDA: they are skipped, with the
   reason, where ``torch.cuda.is_available()`` is false, and run unchanged on a GPU machine.
 * The reference packages (``REFERENCES``: the installed transformers, accelerate, peft, torchao,
-  datasets, schedulefree and trl the differential tests take their expected values from): a test
+  datasets, schedulefree, trl and sentence-transformers the differential tests take their expected
+  values from): a test
   whose reference is missing is skipped, except where ``MIXPREC_REQUIRE_REFERENCES=1`` (``.ci/run``
   sets it), where a missing one is an error that names it and the fix: the run stops before its
   first test, and a skip for a missing part of one (``torchao.float8``) is a failure.
@@ -39,7 +40,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 #: The packages the differential tests compare against: a test whose reference is missing skips, or,
 #: where REQUIRE is set (CI), fails. ``pip install -e ".[dev]"`` installs them all.
-REFERENCES = ("transformers", "accelerate", "peft", "torchao", "datasets", "schedulefree", "trl")
+REFERENCES = ("transformers", "accelerate", "peft", "torchao", "datasets", "schedulefree", "trl",
+              "sentence_transformers")
 REQUIRE = "MIXPREC_REQUIRE_REFERENCES"
 FIX = 'install the test extras: pip install -e ".[dev]"'
 

@@ -326,6 +326,34 @@ def test_seedable_orders_are_accelerates_whatever_generator_or_batch_sampler_the
     assert ours[0][0] != ours[0][1] and ours[0][3] == ours[0][1]  # epochs differ; set_epoch replays one
 
 
+@pytest.mark.parametrize("lib", ["torch", "accelerate"])
+def test_a_generator_given_to_the_sampler_only_draws_the_order_and_the_base_seed_comes_from_the_global_rng(lib):
+    """``DataLoader(sampler=RandomSampler(data, generator=g))``: torch draws the workers' base seed
+    from its global RNG (the DataLoader has no generator) and only the order from ``g``. Drawn from
+    ``g`` as well, every epoch's order was one draw off torch's and Accelerate's."""
+    import mixprec
+
+    def run(prepare):
+        torch.manual_seed(0)
+        sampler = torch.utils.data.RandomSampler(range(20), generator=torch.Generator().manual_seed(7))
+        dl = prepare(DataLoader(list(range(20)), sampler=sampler, batch_size=4))
+        epochs = []
+        for _ in range(3):
+            epochs.append([b.tolist() for b in dl])
+            torch.rand(1)  # the model's dropout between epochs
+        return epochs, torch.rand(2).tolist()
+
+    if lib == "torch":
+        theirs = run(lambda dl: dl)
+    else:
+        accelerate = pytest.importorskip("accelerate")
+        try:
+            theirs = run(accelerate.Accelerator(cpu=True).prepare)
+        finally:
+            accelerate.state.AcceleratorState._reset_state(True)
+    assert run(mixprec.Accelerator(cpu=True).prepare) == theirs
+
+
 @pytest.mark.parametrize("stateful", [False, True])
 def test_load_state_resumes_where_accelerate_does_or_at_the_next_batch_when_stateful(tmp_path, stateful):
     """Default (Accelerate's): the epoch that was running starts again at its first batch, in its

@@ -266,10 +266,14 @@ class PreparedDataLoader(DataLoader):
         self._own_generator = user_gen is None
         #: The generator of the shuffle order (Accelerate's name).
         self.synchronized_generator = user_gen if user_gen is not None else torch.Generator().manual_seed(seed)
-        # With our generator, the workers' base seed comes from one apart, so drawing it leaves the
-        # order's alone; a user's generator gives both, in torch's order (base seed, then shuffle).
-        self._worker_generator = (torch.Generator().manual_seed(seed) if self._own_generator
-                                  else self.synchronized_generator)
+        # torch draws the workers' base seed from the DataLoader's generator, else from its global RNG
+        # (a generator given to the sampler only draws the order). Drawn from the global RNG, it is
+        # drawn here from one apart where torch would not draw it (a restored epoch), so that the
+        # order's generator is left alone; a DataLoader's generator gives both, in torch's order
+        # (base seed, then shuffle).
+        self._base_seed_global = loader.generator is None
+        self._worker_generator = (torch.Generator().manual_seed(seed) if self._base_seed_global
+                                  else loader.generator)
         self.epoch = 0
         self.batches_yielded = 0
         self.end_of_dataloader = False
@@ -329,11 +333,11 @@ class PreparedDataLoader(DataLoader):
             loader.batch_sampler, sharded_over, rank if sharded_over > 1 else 0,
             getattr(loader.batch_sampler, "drop_last", False), split=split_batches, even=even_batches,
             generator=order, shuffle=shuffle, seed=seed)
-        # With our own generator, the workers' base seed is drawn from torch's global RNG, as torch's
+        # Without a DataLoader generator, the workers' base seed is drawn from torch's global RNG, as torch's
         # and Accelerate's loaders draw it (``generator=None``); a DataLoader rebuilt from this one
         # (Accelerate's ``skip_first_batches``) then draws it alike.
         super().__init__(loader.dataset, batch_sampler=batch_sampler,
-                         generator=None if self._own_generator else self._worker_generator, **common)
+                         generator=None if self._base_seed_global else self._worker_generator, **common)
         # What the original loader said (torch's DataLoader would say None with a batch sampler).
         for name in ("batch_size", "sampler", "drop_last"):
             object.__setattr__(self, name, getattr(loader, name))
@@ -484,7 +488,7 @@ class PreparedDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         if self._on_iter is not None:
             self._on_iter(self)
-        if self._own_generator and not self._iterable and self._sharder is not None:
+        if self._base_seed_global and not self._iterable and self._sharder is not None:
             # torch's DataLoader draws the workers' base seed from the global RNG at each epoch, then
             # a shuffling loader's batch sampler draws the order, when the first batch is asked for:
             # the same draws as torch's and Accelerate's, in the same order (dispatched, only process
