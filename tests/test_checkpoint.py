@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -247,7 +248,8 @@ def test_the_first_problem_of_several_processes_names_its_process():
         raise_first_problem(["a.bin is missing"])
 
 
-def test_numbered_checkpoints_are_the_complete_ones_in_step_order_and_rotation_clears_crashed_saves(tmp_path):
+def test_numbered_checkpoints_are_the_complete_ones_in_step_order_and_rotation_clears_crashed_saves(tmp_path,
+                                                                                                   caplog):
     for n in (10, 9, 100):
         _write(tmp_path / f"checkpoint-{n}", {"a.bin": b"x"})
     (tmp_path / "checkpoint-50").mkdir()  # no manifest: half-written, or not ours
@@ -257,3 +259,8 @@ def test_numbered_checkpoints_are_the_complete_ones_in_step_order_and_rotation_c
     assert len(numbered_checkpoints(tmp_path, "checkpoint-", complete=False)) == 4
     rotate_checkpoints(tmp_path, "checkpoint-", None)
     assert not (tmp_path / ".checkpoint-101.tmp-0123abcd").exists() and (tmp_path / "checkpoint-50").is_dir()
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        rotate_checkpoints(tmp_path, "checkpoint-", 2)  # the oldest goes, and the log says which
+    assert [p.name for p in numbered_checkpoints(tmp_path, "checkpoint-")] == ["checkpoint-10", "checkpoint-100"]
+    said = [r.getMessage() for r in caplog.records if "deleting" in r.getMessage()]
+    assert len(said) == 1 and "checkpoint-9 (a limit of 2 checkpoints)" in said[0], said
