@@ -19,7 +19,7 @@ the recipe chosen), as a severity where 1 is the level at which the signal is su
 - the fraction of its input, weight and output gradient flushed to zero or saturated after
   scaling: 1% (on pycode ``small`` at most 0.003% of an input and 0.008% of a gradient flush);
 - the relative error of its output and of the input gradient it sends back, in fp8 against
-  bf16: ``error_ratio`` (4) times the median over the measured layers;
+  bf16: ``ERROR_RATIO`` (4) times the median over the measured layers;
 - its range: the binades from a tensor's median magnitude up to its amax, against the format's
   normal range (e4m3 14.8 binades, e5m2 29.8): beyond it, the median value is subnormal or lost.
 
@@ -40,7 +40,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TOLERANCE_CAP", "TOLERANCE_FLOOR", "loss_tolerance", "rank_float8_layers", "verify_float8"]
+__all__ = ["ERROR_RATIO", "TOLERANCE_CAP", "TOLERANCE_FLOOR", "loss_tolerance", "rank_float8_layers",
+           "verify_float8"]
+
+#: A layer's fp8 error is suspect at this many times the median over the measured layers.
+ERROR_RATIO = 4.0
 
 #: The smallest tolerance (relative loss gap to bf16-mixed) a filter is held to; see the module's docstring.
 TOLERANCE_FLOOR = 0.02
@@ -110,7 +114,7 @@ def _signals(row: dict[str, Any], medians: dict[str, float], error_ratio: float)
 
 
 def rank_float8_layers(layers: dict[str, dict[str, Any]], names: list[str], recipe: str,
-                       error_ratio: float = 4.0) -> list[dict[str, Any]]:
+                       error_ratio: float = ERROR_RATIO) -> list[dict[str, Any]]:
     """``names`` ranked by their worst fp8 signal under ``recipe`` (see the module's docstring), worst
     first: ``[{"layer", "score", "signal", "value", "why", "severities": {signal: severity}}]``."""
     medians = _medians(layers, recipe)
@@ -130,7 +134,7 @@ def rank_float8_layers(layers: dict[str, dict[str, Any]], names: list[str], reci
 
 def verify_float8(layers: dict[str, dict[str, Any]], recommendation: dict[str, Any],
                   fp8_loss: Callable[[list[str]], float], *, bf16_loss: float, tolerance: float,
-                  max_probes: int = 4, error_ratio: float = 4.0) -> dict[str, Any]:
+                  max_probes: int = 4, error_ratio: float = ERROR_RATIO) -> dict[str, Any]:
     """Verify ``recommendation`` (from :func:`mixprec.apps.fp8_doctor.recommend_float8`) with
     ``fp8_loss(keep_in_bf16)`` probes against ``bf16_loss``, search when it misses, refuse fp8
     when nothing passes.
