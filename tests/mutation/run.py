@@ -470,7 +470,7 @@ def _child(target: Target, order: list[str] | None, memory: _MemoryModule | None
 
 def _fork(timeout: float | None, work: Path, **kwargs) -> tuple[dict | None, bool]:  # noqa: ANN003
     """Run :func:`_child` in a fork; returns (its result, whether it timed out)."""
-    result = work / "result.json"
+    result = work / f"result-{os.getpid()}.json"  # per runner: several may share ``work``
     result.unlink(missing_ok=True)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
@@ -511,9 +511,10 @@ def baseline(name: str, target: Target, work: Path) -> dict:
         return json.loads(cache.read_text())
     print(f"[{name}] baseline: {', '.join(target.tests)} (traced) ...", flush=True)
     t0 = time.monotonic()
-    out, _ = _fork(None, work, target=target, order=None, memory=None, trace=True, log=work / f"baseline-{name}.log")
+    log = work / f"baseline-{name}-{os.getpid()}.log"
+    out, _ = _fork(None, work, target=target, order=None, memory=None, trace=True, log=log)
     if out is None or out["rc"] != 0:
-        raise SystemExit(f"[{name}] the unmutated tests do not pass (see {work / f'baseline-{name}.log'}): "
+        raise SystemExit(f"[{name}] the unmutated tests do not pass (see {log}): "
                          f"{out and out['failed']}")
     print(f"[{name}] baseline: {len(out['selected'])} tests pass in {time.monotonic() - t0:.0f} s", flush=True)
     cache.write_text(json.dumps(out))
@@ -560,7 +561,7 @@ def run_target(name: str, only: list[str] | None, timeout: float | None, work: P
             t1 = time.monotonic()
             out, timed_out = _fork(limit, work, target=target, order=tests,
                                    memory=_MemoryModule(m.module, ROOT / m.path, code), trace=False,
-                                   log=work / "mutant.log")
+                                   log=work / f"mutant-{os.getpid()}.log")
             row["seconds"] = round(time.monotonic() - t1, 1)
             if timed_out:
                 row.update(status="killed", why=f"timeout ({limit:.0f} s)")
