@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from mixprec.accelerator.accelerator import Accelerator
-from mixprec.apps.fp8_search import loss_tolerance, verify_float8
+from mixprec.apps.fp8_search import ERROR_RATIO, loss_tolerance, verify_float8
 from mixprec.models import call_model, loss_of
 from mixprec.precision import PrecisionConfig, PrecisionPerformanceWarning
 from mixprec.precision.fp8 import float8_casts, float8_layer_choice, quantise_float8, torchao_float8
@@ -66,7 +66,7 @@ class Fp8DoctorConfig:
     batch_size: int = 8
     learning_rate: float = 1e-3
     recipes: tuple[str, ...] = ("tensorwise", "rowwise")
-    error_ratio: float = 4.0
+    error_ratio: float = ERROR_RATIO
     cpu: bool = True
     seed: int = 0
     max_probes: int = 4
@@ -241,7 +241,7 @@ def probe_float8_layers(build_model: Callable[[], torch.nn.Module], dataset: Any
     return {"losses": losses, "layers": layers}
 
 
-def recommend_float8(layers: dict[str, dict[str, Any]], recipes: tuple[str, ...], error_ratio: float = 4.0
+def recommend_float8(layers: dict[str, dict[str, Any]], recipes: tuple[str, ...], error_ratio: float = ERROR_RATIO
                      ) -> dict[str, Any]:
     """Which layers stay bf16 and why, and which recipe, from :func:`probe_float8_layers`'s layers."""
     measured = [n for n, row in layers.items() if all(r in row for r in recipes)]
