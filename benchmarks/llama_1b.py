@@ -206,11 +206,8 @@ def torch_job(model, device, precision: str, compile: bool) -> tuple[Callable, d
     return step, {"holds": (model, optimizer)}
 
 
-def mixprec_job(model, device, precision: str, compile: bool) -> tuple[Callable, dict]:
-    from mixprec import Accelerator
-
-    acc = Accelerator(mixed_precision=precision, cpu=device.type == "cpu", compile=compile)
-    model, optimizer = acc.prepare(model, fused_adamw(model))
+def _accelerator_step(acc, model, optimizer) -> Callable:
+    """One training step through an Accelerator (mixprec's or Accelerate's: the same loop)."""
 
     def step(input_ids):
         loss = model(input_ids=input_ids, labels=input_ids).loss
@@ -218,6 +215,16 @@ def mixprec_job(model, device, precision: str, compile: bool) -> tuple[Callable,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
+
+    return step
+
+
+def mixprec_job(model, device, precision: str, compile: bool) -> tuple[Callable, dict]:
+    from mixprec import Accelerator
+
+    acc = Accelerator(mixed_precision=precision, cpu=device.type == "cpu", compile=compile)
+    model, optimizer = acc.prepare(model, fused_adamw(model))
+    step = _accelerator_step(acc, model, optimizer)
 
     def note() -> str:
         try:
@@ -234,15 +241,7 @@ def accelerate_job(model, device, precision: str, compile: bool) -> tuple[Callab
     acc = accelerate.Accelerator(mixed_precision=precision, cpu=device.type == "cpu",
                                  dynamo_backend="inductor" if compile else "no")
     model, optimizer = acc.prepare(model, fused_adamw(model))
-
-    def step(input_ids):
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        acc.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return step, {"holds": (acc, model, optimizer)}
+    return _accelerator_step(acc, model, optimizer), {"holds": (acc, model, optimizer)}
 
 
 JOB_KINDS = {"torch": torch_job, "mixprec": mixprec_job, "accelerate": accelerate_job}
