@@ -178,18 +178,7 @@ def test_state_dict_round_trip_continues_exactly():
     assert resumed.state_dict() == state
 
     # Continue the same sequence from step 5 and compare the scale after every update.
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(5, 20):
-        x, y = batch(step)
-        opt.zero_grad()
-        resumed.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-        if step in overflow:
-            inject_inf(model)
-        resumed.step(opt)
-        resumed.update()
-        assert resumed.get_scale() == full_scales[step], f"step {step}"
+    assert continue_scaled(resumed, overflow, range(5, 20)) == full_scales[5:20]
     assert resumed.skipped_steps == full.skipped_steps
     assert resumed.total_steps == full.total_steps
     assert resumed.hysteresis_counter == full.hysteresis_counter
