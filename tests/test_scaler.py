@@ -576,3 +576,17 @@ def test_a_scale_made_without_scale_gets_its_counters_at_the_first_update():
     scaler.step(opt)
     scaler.update()
     assert (scaler.get_scale(), scaler.skipped_steps, scaler.hysteresis_counter) == (8.0, 1, 1)  # tolerated once
+
+
+def test_found_inf_sums_the_flags_of_every_device_the_optimizer_is_on():
+    # GradScaler keeps one flag per device (a model over several GPUs); an overflow on any of them
+    # is the optimizer's. Two flags, as two devices would leave them (both on the CPU here).
+    scaler = LossScaler("cpu", init_scale=8.0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(opt)
+    state = scaler._per_optimizer_states[id(opt)]
+    state["found_inf_per_device"] = {torch.device("cpu"): torch.tensor(0.0), torch.device("cpu", 0): torch.tensor(1.0)}
+    flag, _ = scaler.found_inf(opt)
+    assert flag.item() > 0
