@@ -248,6 +248,9 @@ class MixprecTrainerRunner(Runner):
             max_grad_norm=0.0, per_device_train_batch_size=config.batch_size, max_steps=steps_to_train(config),
             logging_steps=10**9, save_strategy="no", report_to="none", disable_tqdm=True,
             remove_unused_columns=False, seed=config.seed, torch_compile=config.compile,
+            # The bench's loader carries its own generator: drawn on as the loop's Accelerator draws
+            # it, not reseeded with seed + epoch as transformers' default seedable sampler would.
+            accelerator_config={"use_seedable_sampler": False},
             bf16_true_compensation=config.bf16_true_compensation[0], bf16_true_state_dtype=config.bf16_true_state_dtype)
         runner, loaders = self, []
 
