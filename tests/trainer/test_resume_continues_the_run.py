@@ -88,6 +88,17 @@ def test_auto_with_no_checkpoint_that_verifies_starts_over_and_says_so(three_che
     assert f"no checkpoint in {out} verifies (3 skipped): starting over" in caplog.text
 
 
+@pytest.mark.parametrize("told", ["path", "newest"])
+def test_a_checkpoint_named_or_newest_with_a_missing_or_truncated_file_fails_the_resume_and_says_so(three_checkpoints,
+                                                                                                   told):
+    # Only "auto" skips a damaged checkpoint; a resume told which one (or True, the newest) stops.
+    folder = three_checkpoints / "checkpoint-6"
+    data = (folder / "optimizer_0.bin").read_bytes()
+    (folder / "optimizer_0.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"optimizer(_0\.bin|\.pt) is \d+ bytes, the manifest says"):
+        _trainer(three_checkpoints, steps=8).train(resume_from_checkpoint=str(folder) if told == "path" else True)
+
+
 def test_the_trainers_own_files_are_verified_before_they_are_read(three_checkpoints, tmp_path):
     folder = three_checkpoints / "checkpoint-4"
     _flip_a_byte(folder / "mixprec_trainer_state.json")

@@ -286,8 +286,7 @@ def _save_weights(folder: Path, model: Any, written: list[str], save_safetensors
 
 
 def write_trainer_checkpoint(accelerator: Any, final: Path, model: Any, extra_files: dict[str, str | bytes], *,
-                             save_safetensors: bool = True, processing_class: Any = None,
-                             model_only: bool = False) -> Path:
+                             save_safetensors: bool, processing_class: Any = None, model_only: bool) -> Path:
     """Write ``final`` (``output_dir/checkpoint-N``) atomically, in one commit: the Accelerator's
     state, ``extra_files`` (name -> text or bytes), and Hugging Face's files (:func:`_save_weights`,
     the tokenizer or processor as transformers saves it; ``optimizer.pt`` and ``scheduler.pt``
