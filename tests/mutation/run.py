@@ -1,7 +1,7 @@
 """Mutation testing of the modules where a silent bug loses data or gives a wrong number (issue 41).
 
     nice -n 10 .venv/bin/python tests/mutation/run.py scaler             # one target: its score, its survivors
-    nice -n 10 .venv/bin/python tests/mutation/run.py --all              # every target (~1 h on 2 cores)
+    nice -n 10 .venv/bin/python tests/mutation/run.py --all              # every target (1.5 to 2 hours on 2 cores)
     .venv/bin/python tests/mutation/run.py --list fp8_search             # the mutants, none run
     .venv/bin/python tests/mutation/run.py --show scaler:215.2           # one mutant: the line, before and after
     nice -n 10 .venv/bin/python tests/mutation/run.py scaler --only scaler:215.2 scaler:230.1   # rerun a few
