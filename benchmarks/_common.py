@@ -43,8 +43,14 @@ def timed_steps(dl, steps: int, step: Callable[[object], None]) -> list[float]:
     return times
 
 
-def hand_loop(model, data, batch_size, dtype, steps, *, clip=None, fused=True, seed=0) -> list[float]:
-    """The hand-written torch.autocast loop: the baseline. Returns per-step seconds."""
+def hand_runner(model, data, batch_size, dtype, *, clip=None, fused=True, seed=0) -> Callable[[int], list[float]]:
+    """The hand-written torch.autocast loop, the baseline: its optimizer and loader are built once, and
+    each call of the returned ``run(steps)`` goes on training where the last one stopped (per-step seconds).
+
+    Runners compared in one invocation must live alike: an optimizer built afresh each round is
+    faster than one that lives on, on a CPU, because AdamW's moments of weights whose gradient is
+    always zero (the digits' blank pixels) decay into subnormal floats after some hundreds of steps.
+    """
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     g = torch.Generator().manual_seed(seed)
     dl = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate, generator=g)
@@ -58,7 +64,12 @@ def hand_loop(model, data, batch_size, dtype, steps, *, clip=None, fused=True, s
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return timed_steps(dl, steps, step)
+    return lambda steps: timed_steps(dl, steps, step)
+
+
+def hand_loop(model, data, batch_size, dtype, steps, **kwargs) -> list[float]:
+    """One run of the hand-written loop from a fresh optimizer and loader; per-step seconds."""
+    return hand_runner(model, data, batch_size, dtype, **kwargs)(steps)
 
 
 def median_after_warmup(times: list[float], warmup: int = 3) -> float:

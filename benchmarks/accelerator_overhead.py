@@ -23,7 +23,7 @@ from _common import (
     GPT_SMALL,
     digits_job,
     gpt_job,
-    hand_loop,
+    hand_runner,
     interleave,
     median_after_warmup,
     timed_steps,
@@ -44,8 +44,8 @@ def compare(name, factory, data, batch_size, steps, rounds):
     runs = {}
     for prec, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         torch.manual_seed(0)
-        hand_model = factory()
-        runs[f"hand-written {prec}"] = (lambda m=hand_model, d=dtype: hand_loop(m, data, batch_size, d, steps))
+        hand = hand_runner(factory(), data, batch_size, dtype)  # lives across the rounds, as the Accelerator's
+        runs[f"hand-written {prec}"] = (lambda h=hand: h(steps))
         torch.manual_seed(0)
         acc = Accelerator(mixed_precision=prec, cpu=True)
         model = factory()

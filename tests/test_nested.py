@@ -166,3 +166,42 @@ def test_the_fast_walk_of_plain_containers_visits_and_rebuilds_as_the_pytree_wal
     general = _map_general(lambda x: seen_general.append(x) or (x * 2 if isinstance(x, torch.Tensor) else x), tree)
     assert repr(fast) == repr(general) and [repr(x) for x in seen_fast] == [repr(x) for x in seen_general]
     assert type(fast["a"]) is collections.OrderedDict and type(fast["a"]["z"]) is Pair and type(fast["c"][0]) is Out
+
+
+def recorder(seen):
+    """A map function that notes each leaf it is given and doubles the tensors."""
+    return lambda leaf: seen.append(leaf) or (leaf * 2 if isinstance(leaf, torch.Tensor) else leaf)
+
+
+@pytest.mark.slow
+def test_hugging_face_model_outputs_walked_directly_match_the_pytree_walk():
+    pytest.importorskip("transformers")
+    from transformers.modeling_outputs import CausalLMOutputWithPast, SequenceClassifierOutput
+
+    from mixprec.nested import _map_general
+
+    t = torch.arange(3.0)
+    for out in (SequenceClassifierOutput(loss=t.sum(), logits=t.bfloat16(), hidden_states=(t, t + 1)),
+                CausalLMOutputWithPast(logits=t, past_key_values=None, hidden_states=({"a": [t]},))):
+        seen_fast, seen_general = [], []
+        fast, general = tree_map(recorder(seen_fast), out), _map_general(recorder(seen_general), out)
+        assert type(fast) is type(out) and list(fast.keys()) == list(general.keys()) == list(out.keys())
+        assert repr(fast) == repr(general) and [repr(x) for x in seen_fast] == [repr(x) for x in seen_general]
+
+
+def test_a_type_registered_with_the_pytree_after_a_walk_is_walked_as_registered():
+    from torch.utils import _pytree as pytree
+
+    @dataclasses.dataclass
+    class Late:
+        a: torch.Tensor
+        b: torch.Tensor
+
+    first = tree_map(double, Late(torch.ones(1), torch.ones(1)))  # walked as a dataclass: both fields
+    assert first.a.item() == first.b.item() == 2.0
+    pytree.register_pytree_node(Late, lambda x: ([x.a], x.b), lambda values, b: Late(values[0], b))
+    try:
+        second = tree_map(double, Late(torch.ones(1), torch.ones(1)))  # now as the pytree says: b is context
+        assert second.a.item() == 2.0 and second.b.item() == 1.0
+    finally:
+        pytree._deregister_pytree_node(Late)

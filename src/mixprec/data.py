@@ -566,9 +566,13 @@ class PreparedDataLoader(DataLoader):
             index += 1
             current = nxt
 
+    def _moves(self) -> bool:
+        """Whether batches need moving or casting: on the CPU with nothing to cast there is nothing
+        to do (not a walk of the batch per step)."""
+        return not (self.device is None or (self.device.type == "cpu" and self.float_dtype is None))
+
     def _move(self, batch: Any) -> Any:
-        # On the CPU with nothing to cast there is nothing to do: not a walk of the batch per step.
-        if self.device is None or (self.device.type == "cpu" and self.float_dtype is None):
+        if not self._moves():
             return batch
         non_blocking = self.device.type == "cuda" if self.non_blocking is None else self.non_blocking
         return send_to_device(batch, self.device, non_blocking=non_blocking, float_dtype=self.float_dtype)
@@ -584,14 +588,18 @@ def _epoch(loader: Any, it: Iterator[Any], skip: int) -> Iterator[Any]:
     try:
         for _ in range(skip):  # no sampler to skip in: load the batches and drop them
             next(it, None)
+        move = loader._move if loader._moves() else None
+        # The two counters are written into the loader's __dict__: the same attributes, without
+        # torch DataLoader's __setattr__ (a Python call) on every batch.
+        state = loader.__dict__
         current = next(it, _END)
         while current is not _END:
             nxt = next(it, _END)
             # Looking one batch ahead tells whether this is the last: accumulate() and
             # gather_for_metrics need to know before the batch is used.
-            loader.end_of_dataloader = nxt is _END
-            loader.batches_yielded += 1
-            yield loader._move(current)
+            state["end_of_dataloader"] = nxt is _END
+            state["batches_yielded"] += 1
+            yield current if move is None else move(current)
             current = nxt
         loader.end_of_dataloader = True
         loader._in_epoch = False
@@ -670,6 +678,7 @@ class IterableLoader:
             yield batch
 
     _move = PreparedDataLoader._move
+    _moves = PreparedDataLoader._moves
 
 
 def _concatenate(batches: list[Any]) -> Any:

@@ -90,26 +90,70 @@ def _map_general(fn: Callable[..., Any], tree: Any, *rests: Any) -> Any:
 
 
 _LEAVES = (torch.Tensor, type(None), bool, int, float, str)
+_LEAF, _DATACLASS, _MODEL_OUTPUT, _GENERAL = range(4)
+_HOW: dict[type, int] = {}  # how _map_one walks each type, decided once (again when the pytree registers types)
+_HOW_FOR = [0]  # the pytree's registry size _HOW was decided for
+
+
+def _how(kind: type) -> int:
+    if len(pytree.SUPPORTED_NODES) != _HOW_FOR[0]:
+        _HOW.clear()
+        _HOW_FOR[0] = len(pytree.SUPPORTED_NODES)
+    how = _HOW.get(kind)
+    if how is None:
+        how = _HOW[kind] = _classify(kind)
+    return how
+
+
+def _classify(kind: type) -> int:
+    if issubclass(kind, _LEAVES):
+        return _LEAF
+    node = pytree.SUPPORTED_NODES.get(kind)
+    if node is not None:
+        # transformers registers each ModelOutput as (values, keys) -> type(**dict(zip(keys, values))):
+        # rebuilt here the same way, without the pytree's flatten and unflatten of the whole output.
+        flatten = node.flatten_fn
+        from_transformers = getattr(flatten, "__module__", "").startswith("transformers.")
+        return _MODEL_OUTPUT if from_transformers and flatten.__name__ == "_model_output_flatten" else _GENERAL
+    if not issubclass(kind, Mapping) and dataclasses.is_dataclass(kind) and not issubclass(kind, type):
+        if len(dataclasses.fields(kind)) == len(kind.__dataclass_fields__):  # no InitVar, no ClassVar
+            _PLAIN_INIT.add(kind)
+        return _DATACLASS  # a model's output dataclass: walked here too, on every step
+    return _GENERAL
 
 
 def _map_one(fn: Callable[..., Any], tree: Any) -> Any:
-    """:func:`tree_map` of one tree, the shapes of a batch (plain dicts, lists and tuples of tensors)
-    walked directly: the same leaves in the same order, without the pytree's flatten and unflatten
-    (a tenth of the time: it runs on every batch). Anything else takes the general path."""
+    """:func:`tree_map` of one tree, the shapes of a batch and of a model's output (plain dicts,
+    lists and tuples of tensors, output dataclasses, transformers' ``ModelOutput``) walked directly:
+    the same leaves in the same order, without the pytree's flatten and unflatten (a tenth of the
+    time: it runs on every batch and every forward; leaves of the common types are mapped in place,
+    without a call of this function each). Anything else takes the general path."""
     kind = type(tree)
     if kind is dict:
-        return {k: _map_one(fn, v) for k, v in tree.items()}
+        return {k: fn(v) if type(v) in _PLAIN_LEAVES else _map_one(fn, v) for k, v in tree.items()}
     if kind is list:
-        return [_map_one(fn, v) for v in tree]
+        return [fn(v) if type(v) in _PLAIN_LEAVES else _map_one(fn, v) for v in tree]
     if kind is tuple:
-        return tuple(_map_one(fn, v) for v in tree)
-    if isinstance(tree, _LEAVES):
+        return tuple([fn(v) if type(v) in _PLAIN_LEAVES else _map_one(fn, v) for v in tree])
+    how = _HOW.get(kind) if len(pytree.SUPPORTED_NODES) == _HOW_FOR[0] else None
+    if how is None:
+        how = _how(kind)
+    if how == _LEAF:
         return fn(tree)
-    if kind not in pytree.SUPPORTED_NODES and not isinstance(tree, Mapping) and dataclasses.is_dataclass(tree) \
-            and not isinstance(tree, type):  # a model's output dataclass: walked here too, on every step
-        names = _init_fields(kind)
-        return dataclasses.replace(tree, **{n: _map_one(fn, getattr(tree, n)) for n in names})
+    if how == _DATACLASS:
+        values = {}
+        for n in _init_fields(kind):
+            v = getattr(tree, n)
+            values[n] = fn(v) if type(v) in _PLAIN_LEAVES else _map_one(fn, v)
+        # Its constructor takes exactly its init fields: called directly (dataclasses.replace's result, without its checks).
+        return kind(**values) if kind in _PLAIN_INIT else dataclasses.replace(tree, **values)
+    if how == _MODEL_OUTPUT:
+        return kind(**{k: fn(v) if type(v) in _PLAIN_LEAVES else _map_one(fn, v) for k, v in tree.items()})
     return _map_general(fn, tree)
+
+
+_PLAIN_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str})
+_PLAIN_INIT: set[type] = set()  # dataclasses without InitVar pseudo-fields: kind(**init fields) is replace()
 
 
 _INIT_FIELDS: dict[type, tuple[str, ...]] = {}

@@ -594,13 +594,10 @@ class Accelerator:
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, divided by the accumulation steps and scaled where the precision needs it."""
-        if self.gradient_accumulation_steps > 1:
-            loss = loss / self.gradient_accumulation_steps
+        steps = self.gradient_state.num_steps  # (attributes read directly: this runs on every step)
+        if steps > 1:
+            loss = loss / steps
         self.precision.backward(loss, **kwargs)
-
-    @property
-    def _end_of_dataloader(self) -> bool:
-        return self.gradient_state.end_of_dataloader and self.gradient_state.sync_with_dataloader
 
     def accumulate(self, *models: torch.nn.Module) -> contextlib.AbstractContextManager:
         """Accumulate gradients over ``gradient_accumulation_steps`` micro-batches.
@@ -673,11 +670,13 @@ class Accelerator:
 
     # -- each prepared optimizer's step and zero_grad come here ---------------------------
     def _step_optimizer(self, wrapped: AcceleratedOptimizer, closure: Any) -> Any:
-        if not self.sync_gradients:
+        # On every step: attributes are read directly, and what is off costs no call.
+        if not self.gradient_state.sync_gradients:
             return None
         first = wrapped is self.prepared.optimizers[0]
-        self.audit.observe_gradients(wrapped.optimizer)
-        models = self._observe_before_step(wrapped)
+        if not self.audit.grads:  # (the audit records the gradients' dtypes once)
+            self.audit.observe_gradients(wrapped.optimizer)
+        models = self._observe_before_step(wrapped) if self.preparer.monitor is not None else None
         out = None
         try:
             out = self.precision.optimizer_step(wrapped.optimizer, closure)
@@ -686,13 +685,14 @@ class Accelerator:
         if wrapped.original_optimizer is not wrapped.optimizer:
             # A scheduler built on the user's optimizer checks that *it* stepped (torch's flag).
             wrapped.original_optimizer._opt_called = True
-        if self.monitor is not None:
-            self.monitor.after_step(self.optimizer_steps, models)
+        monitor = self.preparer.monitor
+        if monitor is not None:
+            monitor.after_step(self.optimizer_steps, models)
         self.optimizer_steps += first
         return out
 
     def _zero_grad(self, wrapped: AcceleratedOptimizer, set_to_none: bool) -> None:
-        if self.sync_gradients:  # on accumulation steps the gradients keep adding up
+        if self.gradient_state.sync_gradients:  # on accumulation steps the gradients keep adding up
             self.precision.zero_grad(wrapped.optimizer, set_to_none=set_to_none)
 
     def _observe_before_step(self, wrapped: AcceleratedOptimizer) -> list[torch.nn.Module] | None:
@@ -1157,12 +1157,13 @@ class _Accumulate:
 
     def __enter__(self) -> None:
         acc = self.acc
-        if acc._end_of_dataloader:
-            acc.step, acc.sync_gradients = 0, True
+        gs = acc.gradient_state  # (read directly, not through the Accelerator's properties: every micro-batch)
+        if gs.sync_with_dataloader and gs.end_of_dataloader:
+            acc.step, gs.sync_gradients = 0, True
         else:
             acc.step += 1
-            acc.sync_gradients = acc.step % acc.gradient_accumulation_steps == 0
-        if not (acc.sync_gradients or acc.gradient_state.sync_each_batch) and self.models:
+            gs.sync_gradients = acc.step % gs.num_steps == 0
+        if not (gs.sync_gradients or gs.sync_each_batch) and self.models:
             self.stack = contextlib.ExitStack()
             for m in self.models:
                 self.stack.enter_context(acc.no_sync(m))

@@ -43,8 +43,10 @@ class _PrecisionForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
         plugin: PrecisionPlugin = getattr(model, _PRECISION)()
+        if plugin.converts_input:
+            args, kwargs = plugin.convert_input(args), plugin.convert_input(kwargs)
         with plugin.forward_context():
-            out = getattr(model, _ORIGINAL)(*plugin.convert_input(args), **plugin.convert_input(kwargs))
+            out = getattr(model, _ORIGINAL)(*args, **kwargs)
         return plugin.convert_output(out)
 
     def __reduce__(self) -> tuple:
@@ -326,8 +328,9 @@ class AcceleratedScheduler:
             if self.gradient_state.adjust_scheduler and hasattr(self.scheduler, "_step_count"):
                 self.scheduler._step_count += 1  # as Accelerate counts it; the rate does not change
             return
-        if any(opt.step_was_skipped for opt in self.optimizers):
-            return
+        for opt in self.optimizers:
+            if opt.step_was_skipped:
+                return
         total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR refuses to step past its end
         for _ in range(self.steps_per_call):
             if total is not None and self.scheduler._step_count > total:

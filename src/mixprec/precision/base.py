@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mixprec.precision import grouped_step
 from mixprec.precision.config import PrecisionConfig
 from mixprec.precision.names import PrecisionPolicy
 from mixprec.precision.scaled_steps import ScaledSteps
@@ -50,9 +51,16 @@ class PrecisionPlugin:
 
     #: Whether this precision takes a loss scaler it does not need (bf16-mixed may opt in).
     accepts_loss_scaler = False
+    #: Whether :meth:`convert_input` changes the batch (a prepared model's forward skips it if not).
+    converts_input = False
     #: Whether ``prepare`` shards the models with FSDP2 (the Accelerator sets it): fp8 then
     #: all-gathers its float8 weights where the recipe allows.
     sharded = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "convert_input" in cls.__dict__ and "converts_input" not in cls.__dict__:
+            cls.converts_input = True  # a plugin that converts its inputs says so itself
 
     def __init__(self, policy: PrecisionPolicy, device: str | torch.device, config: PrecisionConfig | None = None) -> None:
         self.policy = policy
@@ -95,13 +103,19 @@ class PrecisionPlugin:
         """``data`` (a batch, nested containers included) as this precision's forward takes it."""
         return data
 
+
     def convert_output(self, data: Any) -> Any:
         """What the prepared model returns, from what its forward computed (unchanged here)."""
         return data
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        """The context the forward runs in (autocast for the mixed precisions)."""
-        return self.policy.autocast(self.device)
+        """The context the forward runs in (autocast for the mixed precisions): the policy's
+        :meth:`~mixprec.precision.PrecisionPolicy.autocast` on this device, built here in one call (it
+        is entered on every forward)."""
+        policy = self.policy
+        if not policy.autocast_enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=policy.compute_dtype)
 
     def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer this precision steps with (bf16-true swaps in a compensated twin)."""
@@ -142,7 +156,7 @@ class PrecisionPlugin:
         """Step ``optimizer`` (or skip it, where the precision checks for inf/NaN)."""
         if self.steps is not None:
             return self.steps.optimizer_step(optimizer, closure)
-        return optimizer.step(closure) if closure is not None else optimizer.step()
+        return grouped_step.step(optimizer, closure)  # alike parameter groups stepped as one
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """Clear ``optimizer``'s gradients."""

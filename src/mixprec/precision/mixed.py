@@ -16,6 +16,13 @@ from mixprec.precision.base import PrecisionPlugin
 __all__ = ["MixedPrecision"]
 
 
+def _up(t: Any) -> Any:
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype in _HALF else t
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class MixedPrecision(PrecisionPlugin):
     """fp16-mixed or bf16-mixed: autocast forward, fp32 parameters, an optional loss scaler.
 
@@ -71,10 +78,7 @@ class MixedPrecision(PrecisionPlugin):
         """fp16 and bf16 tensors in what the model returns, cast to fp32 (as Accelerate's prepared
         model returns them): a loss or metric computed from them outside autocast is computed in
         fp32. Differentiable; other tensors and containers pass unchanged."""
-        def up(t: Any) -> Any:
-            return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
-
-        return tree_map(up, data)
+        return _up(data) if isinstance(data, torch.Tensor) else tree_map(_up, data)
 
     def fallback_precision(self, native_bf16: bool) -> str | None:
         return "bf16-mixed" if native_bf16 and self.policy.compute_dtype == torch.float16 else "fp32"

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from mixprec.accelerator.accelerator import Accelerator
 from mixprec.accelerator.configs import DataLoaderConfiguration, GradientAccumulationPlugin
 from mixprec.accelerator.utils import find_executable_batch_size, set_seed
+from mixprec.accelerator.wrappers import AcceleratedOptimizer
 from mixprec.checkpoint.folder import CheckpointError
 from mixprec.checkpoint.lock import RunLock
 from mixprec.checkpoint.transformers_rng import set_transformers_rng_state
@@ -38,6 +39,7 @@ from mixprec.models import call_model, extract_loss, original_forward
 from mixprec.trainer.adapters import checkpoint_adapters, model_to_inspect
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.callbacks import (
+    EVENT_CLEARS,
     CallbackHandler,
     DefaultFlowCallback,
     TrainerCallback,
@@ -272,8 +274,11 @@ class Trainer:
 
     def _event(self, name: str, **kwargs: Any) -> TrainerControl:
         h = self.callback_handler
-        if h.listeners(name):  # (else only the flags the event clears: no callback to hand objects to)
-            h.model, h.optimizer, h.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
+        if not h.listeners(name):  # only the flags the event clears: no callback to hand objects to
+            for flag in EVENT_CLEARS.get(name, ()):
+                setattr(self.control, flag, False)
+            return self.control
+        h.model, h.optimizer, h.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
         self.control = h.call(name, self.args, self.state, self.control, **kwargs)
         return self.control
 
@@ -818,7 +823,7 @@ class Trainer:
         """Forward, loss, backward (scaled where the policy needs it); returns the detached loss."""
         if not model.training:  # train() walks every module: not on every step
             model.train()
-        if callable(getattr(self.optimizer, "train", None)):  # schedule-free optimizers have modes, as HF calls them
+        if self._optimizer_has_modes():  # schedule-free optimizers have modes, as HF calls them
             self.optimizer.train()
         loss = self.compute_loss(model, inputs)
         if self.loss_is_scaled_for_ga:  # compute_loss divided it by the accumulation steps already
@@ -826,6 +831,15 @@ class Trainer:
         else:
             self.accelerator.backward(loss)
         return loss.detach().float()
+
+    def _optimizer_has_modes(self) -> bool:
+        """Whether the optimizer has train/eval modes (schedule-free), decided once per optimizer."""
+        opt = self.optimizer
+        known = self.__dict__.get("_modes_of")
+        if known is None or known[0] is not opt:
+            inner = opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt
+            known = self._modes_of = (opt, callable(getattr(inner, "train", None)))
+        return known[1]
 
     def compute_loss(self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -872,7 +886,8 @@ class Trainer:
 
     def _get_learning_rate(self) -> float:
         """The learning rate of the first parameter group now (Hugging Face's ``_get_learning_rate``)."""
-        if self._metric_driven_schedule():
+        metric_schedule = getattr(self, "_metric_schedule", None)  # decided at train()
+        if metric_schedule if metric_schedule is not None else self._metric_driven_schedule():
             lr = self.optimizer.param_groups[0]["lr"]
         else:
             lr = self.lr_scheduler.get_last_lr()[0]
