@@ -89,3 +89,25 @@ def test_after_reset_state_the_accelerators_process_names_say_so():
     for name in ("num_processes", "process_index", "is_main_process", "wait_for_everyone", "set_trigger"):
         with pytest.raises(AttributeError, match=r"_reset_state\(\)` was called"):
             getattr(acc, name)
+
+
+def test_the_bench_and_the_step_path_branch_on_no_precisions_name():
+    """A precision-specific ``if`` belongs in its plugin (DESIGN.md): the bench asks the plugin for its
+    variants and the names table for Accelerate's name, and the per-step code reads the plugin."""
+    import ast
+    from pathlib import Path
+
+    from mixprec.precision import CANONICAL_PRECISIONS
+
+    # fp32 aside: it is the reference the bench's speed-ups are against (and a dtype's name).
+    names = set(CANONICAL_PRECISIONS) - {"fp32", "auto"}
+    src = Path(__import__("mixprec").__file__).parent
+    files = [*sorted((src / "apps" / "bench").glob("*.py")), src / "cli" / "bench.py", src / "accelerator" / "wrappers.py",
+             src / "accelerator" / "accelerator.py", src / "data.py", src / "nested.py"]
+    found = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Compare):
+                consts = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in names]
+                found += [f"{f.relative_to(src)}:{node.lineno} {c.value!r}" for c in consts]
+    assert not found, found

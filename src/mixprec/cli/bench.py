@@ -18,6 +18,7 @@ from typing import Any
 from mixprec.apps.bench import DEFAULT_PRECISIONS, BenchConfig, run_bench
 from mixprec.apps.plots import plot_bench_result
 from mixprec.nested import tree_map
+from mixprec.precision import PLUGINS
 from mixprec.tasks import DATA_CONTRACT, PYCODE_SIZES, TASKS
 
 __all__ = ["register", "run", "format_table", "write_json"]
@@ -114,7 +115,7 @@ def _command(config: BenchConfig, out: Path) -> str:
               str(config.rounds), "--warmup", str(config.warmup), "--batch-size", str(config.batch_size)]
     words += (["--device", config.device] if config.device else []) + (
         ["--compare", ",".join(config.compare)] if config.compare else [])
-    if "bf16-true" in (config.precisions or DEFAULT_PRECISIONS):
+    if any(PLUGINS[p].variant_field for p in (config.precisions or DEFAULT_PRECISIONS)):  # bf16-true's compensations
         words += ["--bf16-true-compensation", ",".join(config.bf16_true_compensation)] + (
             ["--bf16-true-state-dtype", config.bf16_true_state_dtype] if config.bf16_true_state_dtype != "fp32" else [])
     words += ["--compile"] if config.compile else []

@@ -51,6 +51,10 @@ class PrecisionPlugin:
 
     #: Whether this precision takes a loss scaler it does not need (bf16-mixed may opt in).
     accepts_loss_scaler = False
+    #: The :class:`~mixprec.precision.PrecisionConfig` field whose choices are variants of this
+    #: precision worth comparing side by side (``mixprec bench`` gives each its row): bf16-true's
+    #: optimizer compensation. ``None``: one variant.
+    variant_field: str | None = None
     #: Whether :meth:`convert_input` changes the batch (a prepared model's forward skips it if not).
     converts_input = False
     #: Whether ``prepare`` shards the models with FSDP2 (the Accelerator sets it): fp8 then

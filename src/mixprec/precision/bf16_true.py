@@ -236,6 +236,8 @@ class BF16TruePrecision(PrecisionPlugin):
     def input_dtype(self) -> torch.dtype:
         return self.policy.param_dtype
 
+    variant_field = "bf16_true_compensation"
+
     def convert_input(self, data: Any) -> Any:
         return send_to_device(data, self.device, float_dtype=self.policy.param_dtype)
 

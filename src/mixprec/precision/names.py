@@ -23,6 +23,7 @@ __all__ = [
     "policy_for",
     "precision_names",
     "canonical_precision",
+    "accelerate_name",
     "CANONICAL_PRECISIONS",
 ]
 
@@ -39,19 +40,33 @@ class _Row:
     autocast_enabled: bool
     needs_loss_scaler: bool
     float8_linears: bool = False
+    accelerate: str | None = None  # Hugging Face Accelerate's mixed_precision for it (None: it has none)
 
 
 _f32, _f16, _b16 = torch.float32, torch.float16, torch.bfloat16
-# canonical name: aliases, compute dtype, parameter dtype, autocast, loss scaler, Linear layers in float8.
+# canonical name: aliases, compute dtype, parameter dtype, autocast, loss scaler, Linear layers in float8,
+# and Hugging Face Accelerate's name for it (its Trainer's flag for fp16 and bf16).
 _TABLE: dict[str, _Row] = {
-    "fp32": _Row(("no", "32", "32-true", "fp32-true"), _f32, _f32, False, False),
-    "fp16-mixed": _Row(("fp16", "16", "16-mixed"), _f16, _f32, True, True),
-    "bf16-mixed": _Row(("bf16",), _b16, _f32, True, False),
+    "fp32": _Row(("no", "32", "32-true", "fp32-true"), _f32, _f32, False, False, accelerate="no"),
+    "fp16-mixed": _Row(("fp16", "16", "16-mixed"), _f16, _f32, True, True, accelerate="fp16"),
+    "bf16-mixed": _Row(("bf16",), _b16, _f32, True, False, accelerate="bf16"),
     "bf16-true": _Row((), _b16, _b16, False, False),
-    "fp8": _Row(("fp8-mixed", "float8"), _b16, _f32, True, False, float8_linears=True),
+    "fp8": _Row(("fp8-mixed", "float8"), _b16, _f32, True, False, float8_linears=True, accelerate="fp8"),
 }
 CANONICAL_PRECISIONS = (*_TABLE, "auto")
 _ALIASES = {alias: canon for canon, row in _TABLE.items() for alias in (canon, *row.aliases)} | {"auto": "auto"}
+
+
+def accelerate_name(name: str) -> str | None:
+    """Hugging Face Accelerate's ``mixed_precision`` for precision ``name`` (``"no"``, ``"fp16"``,
+    ``"bf16"``, ``"fp8"``; its Trainer's flags are ``fp16=True`` and ``bf16=True``), or ``None`` where
+    Accelerate has none (bf16-true).
+
+    Example:
+        >>> accelerate_name("bf16-mixed"), accelerate_name("fp32"), accelerate_name("bf16-true")
+        ('bf16', 'no', None)
+    """
+    return _TABLE[canonical_precision(name)].accelerate
 
 
 def precision_names() -> dict[str, list[str]]:

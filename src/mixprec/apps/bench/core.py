@@ -29,7 +29,7 @@ from mixprec.apps.bench.runners import Runner, mixprec_runner
 from mixprec.data import send_to_device
 from mixprec.hardware import default_device, detect_capability
 from mixprec.models import call_model, loss_of
-from mixprec.precision import PrecisionPerformanceWarning, policy_for
+from mixprec.precision import PLUGINS, PrecisionPerformanceWarning, policy_for
 
 __all__ = ["run_bench"]
 
@@ -176,13 +176,15 @@ def _run_bench(config: BenchConfig) -> dict[str, Any]:
 
 
 def _mixprec_rows(config: BenchConfig) -> list[tuple[str, dict[str, Any]]]:
-    """mixprec.Accelerator's rows: one per precision, and one per bf16-true compensation."""
+    """mixprec.Accelerator's rows: one per precision, and one per variant where its plugin has some
+    (bf16-true's compensations: the config's field of the plugin's ``variant_field`` name)."""
     rows = []
     for p in config.precisions:
-        if p != "bf16-true":
+        field = PLUGINS[p].variant_field
+        if field is None:
             rows.append((p, {"runner": "mixprec", "precision": p}))
             continue
-        for i, comp in enumerate(config.bf16_true_compensation):
+        for i, comp in enumerate(getattr(config, field)):
             rows.append((p if i == 0 else f"{p} ({comp})", {"runner": "mixprec", "precision": p, "compensation": comp,
                                                            "state_dtype": config.bf16_true_state_dtype}))
     return rows
@@ -200,10 +202,11 @@ def _compare_notes(rows: dict[str, dict[str, Any]], config: BenchConfig) -> list
     if any(r["runner"] == "hf-trainer" for r in ok.values()):
         notes.append("hf-trainer's FLOPs per step are mixprec's count for the same job (its steps are not counted alone)")
     torch_row = next((r for r in ok.values() if r["runner"] == "torch-loop"), None)
-    if torch_row is not None and torch_row["precision"] == "bf16-true":
-        twin = rows.get("bf16-true", {})
-        notes.append("torch-loop bf16-true: the model cast to bf16 and torch's fused AdamW, uncompensated; its vs "
-                     f"mixprec is against the bf16-true row ({twin.get('compensation')} compensation)")
+    twin = rows.get(torch_row["precision"], {}) if torch_row is not None else {}
+    if twin.get("compensation"):  # a precision with an update of its own (bf16-true): torch's loop has none
+        p = torch_row["precision"]
+        notes.append(f"torch-loop {p}: the model cast to {dtype_name(policy_for(p).param_dtype)} and torch's fused AdamW, "
+                     f"uncompensated; its vs mixprec is against the {p} row ({twin['compensation']} compensation)")
     return notes
 
 

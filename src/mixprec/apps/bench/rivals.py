@@ -28,13 +28,12 @@ from mixprec.apps.bench.runners import (
 )
 from mixprec.data import send_to_device
 from mixprec.models import call_model, loss_of
-from mixprec.precision import policy_for
+from mixprec.precision import accelerate_name, policy_for
 
 __all__ = ["TorchLoopRunner", "HFTrainerRunner", "accelerate_runner", "compare_precision", "hf_missing",
            "reset_hf_state", "RIVALS", "RIVAL_FACTORIES"]
 
 _HF_PRECISIONS = ("bf16-mixed", "fp16-mixed", "fp32")  # what Hugging Face offers too, by preference
-_ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16"}
 
 
 class TorchLoopRunner(LoopRunner):
@@ -93,10 +92,10 @@ def accelerate_runner(job: Job, precision: str, config: BenchConfig, device: tor
     """The user's loop through Hugging Face Accelerate's ``Accelerator`` (its API is mixprec's)."""
     import accelerate
 
-    acc = accelerate.Accelerator(mixed_precision=_ACCELERATE_NAMES[precision], cpu=device.type == "cpu",
+    acc = accelerate.Accelerator(mixed_precision=accelerate_name(precision), cpu=device.type == "cpu",
                                  dynamo_backend="inductor" if config.compile else None)
-    if precision == "fp16-mixed" and not getattr(acc, "native_amp", True):
-        notes.append(f"Hugging Face Accelerate runs fp16-mixed on {device.type} as fp32 (no autocast, no scaler)")
+    if not getattr(acc, "native_amp", True) and policy_for(precision).autocast_enabled:
+        notes.append(f"Hugging Face Accelerate runs {precision} on {device.type} as fp32 (no autocast, no scaler)")
     torch.manual_seed(config.seed)
     model = job.build_model().to(device)
     opt = adamw(list(model.parameters()), config.lr)
@@ -127,7 +126,7 @@ class HFTrainerRunner:
         self.model.register_forward_hook(self._record_loss)
         self._dir = tempfile.TemporaryDirectory(prefix="mixprec-bench-hf-")
         args = transformers.TrainingArguments(
-            output_dir=self._dir.name, bf16=precision == "bf16-mixed", fp16=precision == "fp16-mixed",
+            output_dir=self._dir.name, bf16=accelerate_name(precision) == "bf16", fp16=accelerate_name(precision) == "fp16",
             use_cpu=device.type == "cpu", optim="adamw_torch_fused", learning_rate=config.lr, weight_decay=0.0,
             lr_scheduler_type="constant", max_grad_norm=0.0, per_device_train_batch_size=config.batch_size,
             max_steps=steps_to_train(config), logging_strategy="no", save_strategy="no", report_to="none",
@@ -147,8 +146,8 @@ class HFTrainerRunner:
         self.trainer = Trainer(model=self.model, args=args, train_dataset=job.train, data_collator=job.collate_fn,
                                callbacks=[self.chunks])
         self.trainer.remove_callback(transformers.PrinterCallback)  # it prints the final metrics
-        if precision == "fp16-mixed" and not getattr(self.trainer.accelerator, "native_amp", True):
-            notes.append(f"the Hugging Face Trainer runs fp16-mixed on {device.type} as fp32 (no autocast, no scaler)")
+        if not getattr(self.trainer.accelerator, "native_amp", True) and policy_for(precision).autocast_enabled:
+            notes.append(f"the Hugging Face Trainer runs {precision} on {device.type} as fp32 (no autocast, no scaler)")
 
     def _record_loss(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if module.training:
