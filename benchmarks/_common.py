@@ -77,9 +77,12 @@ def median_after_warmup(times: list[float], warmup: int = 3) -> float:
 
 
 def interleave(runs: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, list[float]]:
-    """Call each run once per round, in turn, so drift in the machine's speed hits all alike."""
+    """Call each run once per round, in turn, so drift in the machine's speed hits all alike; every
+    other round in the reverse order, so that no run always follows the same one (what ran just
+    before, a bf16 run on AMX say, can slow the next run's first steps)."""
     out: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            out[name] += run()
+    names = list(runs)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            out[name] += runs[name]()
     return out

@@ -142,7 +142,7 @@ def _map_one(fn: Callable[..., Any], tree: Any) -> Any:
         return fn(tree)
     if how == _DATACLASS:
         values = {}
-        for n in _init_fields(kind):
+        for n in _INIT_FIELDS.get(kind) or _init_fields(kind):
             v = getattr(tree, n)
             values[n] = fn(v) if type(v) in _PLAIN_LEAVES else _map_one(fn, v)
         # Its constructor takes exactly its init fields: called directly (dataclasses.replace's result, without its checks).

@@ -891,7 +891,7 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
         else:
             lr = self.lr_scheduler.get_last_lr()[0]
-        return float(lr.item() if torch.is_tensor(lr) else lr)
+        return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
 
     # -- log / evaluate / save ------------------------------------------------------------
     def _maybe_log_save_evaluate(self, model: torch.nn.Module) -> None:
