@@ -680,6 +680,8 @@ class Accelerator:
         out = None
         try:
             out = self.precision.optimizer_step(wrapped.optimizer, closure)
+            if self.precision.steps is None:  # no inf/NaN check in this precision: the step was applied
+                wrapped.mark_skipped(False)
         except LossScaleCollapse as error:
             self._on_collapse(error, wrapped)
         if wrapped.original_optimizer is not wrapped.optimizer:

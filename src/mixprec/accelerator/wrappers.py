@@ -233,9 +233,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._skipped = None
         return self.hooks.step(self, closure)
 
-    def mark_skipped(self) -> None:
-        """Record that the last step was skipped (the owner knows it on the host: a collapse)."""
-        self._skipped = True
+    def mark_skipped(self, skipped: bool = True) -> None:
+        """Record on the host whether the last step was skipped (the owner knows it: a collapse, or
+        a precision that checks nothing), so that reading it asks the plugin nothing."""
+        self._skipped = skipped
 
     @property
     def step_was_skipped(self) -> bool:

@@ -802,7 +802,8 @@ class Trainer:
         """Record whether this step was skipped (read at the next log); if the host knows it was (the
         schedule read the flag), look for inf/NaN in the step's input batches and say where they are."""
         flag, batches, self._step_batches = self.optimizer.skip_flag, self._step_batches, []
-        self._skips.record(self.state.global_step, flag)
+        if flag is not False:  # (nothing to record for a step known to be applied)
+            self._skips.record(self.state.global_step, flag)
         if flag is True:
             for bad in find_nonfinite_inputs(batches, train_dl):
                 log.warning("mixprec: step %d was skipped: its input batch holds inf/NaN: %s", self.state.global_step, bad)
