@@ -107,7 +107,6 @@ class PrecisionPlugin:
         """``data`` (a batch, nested containers included) as this precision's forward takes it."""
         return data
 
-
     def convert_output(self, data: Any) -> Any:
         """What the prepared model returns, from what its forward computed (unchanged here)."""
         return data

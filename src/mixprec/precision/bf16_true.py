@@ -221,6 +221,8 @@ class BF16TruePrecision(PrecisionPlugin):
         (torch.bfloat16, 'mixprec.precision.optim.compensated')
     """
 
+    variant_field = "bf16_true_compensation"  # mixprec bench compares its compensations side by side
+
     @property
     def optimizer_state_dtype(self) -> torch.dtype | None:
         """The compensated optimizer's ``state_dtype``; without compensation torch's own optimizer
@@ -235,8 +237,6 @@ class BF16TruePrecision(PrecisionPlugin):
     @property
     def input_dtype(self) -> torch.dtype:
         return self.policy.param_dtype
-
-    variant_field = "bf16_true_compensation"
 
     def convert_input(self, data: Any) -> Any:
         return send_to_device(data, self.device, float_dtype=self.policy.param_dtype)
