@@ -97,15 +97,18 @@ def test_the_bench_and_the_step_path_branch_on_no_precisions_name():
     import ast
     from pathlib import Path
 
-    from mixprec.precision import CANONICAL_PRECISIONS
+    from mixprec.precision import precision_names
 
-    # fp32 aside: it is the reference the bench's speed-ups are against (and a dtype's name).
-    names = set(CANONICAL_PRECISIONS) - {"fp32", "auto"}
+    # fp32 aside: it is the reference the bench's speed-ups are against (and a dtype's name). In the
+    # bench, every alias too (its rivals speak Accelerate's "bf16"); in the step path the canonical
+    # names ("fp16" and "bf16" also name DDP's gradient compression hooks there).
+    aliases = {n for canon, names in precision_names().items() if canon not in ("fp32", "auto") for n in names}
+    canonical = {canon for canon in precision_names() if canon not in ("fp32", "auto")}
     src = Path(__import__("mixprec").__file__).parent
-    files = [*sorted((src / "apps" / "bench").glob("*.py")), src / "cli" / "bench.py", src / "accelerator" / "wrappers.py",
-             src / "accelerator" / "accelerator.py", src / "data.py", src / "nested.py"]
+    bench = [*sorted((src / "apps" / "bench").glob("*.py")), src / "cli" / "bench.py"]
+    step = [src / "accelerator" / "wrappers.py", src / "accelerator" / "accelerator.py", src / "data.py", src / "nested.py"]
     found = []
-    for f in files:
+    for f, names in [(f, aliases) for f in bench] + [(f, canonical) for f in step]:
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Compare):
                 consts = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in names]

@@ -90,7 +90,9 @@ def _map_general(fn: Callable[..., Any], tree: Any, *rests: Any) -> Any:
 
 
 _LEAVES = (torch.Tensor, type(None), bool, int, float, str)
-_LEAF, _DATACLASS, _MODEL_OUTPUT, _GENERAL = range(4)
+# _DATACLASS: rebuilt by its constructor from its init fields (dataclasses.replace's result without
+# its checks); _DATACLASS_INITVAR: one with InitVar pseudo-fields, rebuilt by dataclasses.replace.
+_LEAF, _DATACLASS, _DATACLASS_INITVAR, _MODEL_OUTPUT, _GENERAL = range(5)
 _HOW: dict[type, int] = {}  # how _map_one walks each type, decided once (again when the pytree registers types)
 _HOW_FOR = [0]  # the pytree's registry size _HOW was decided for
 
@@ -116,9 +118,9 @@ def _classify(kind: type) -> int:
         from_transformers = getattr(flatten, "__module__", "").startswith("transformers.")
         return _MODEL_OUTPUT if from_transformers and flatten.__name__ == "_model_output_flatten" else _GENERAL
     if not issubclass(kind, Mapping) and dataclasses.is_dataclass(kind) and not issubclass(kind, type):
-        if len(dataclasses.fields(kind)) == len(kind.__dataclass_fields__):  # no InitVar, no ClassVar
-            _PLAIN_INIT.add(kind)
-        return _DATACLASS  # a model's output dataclass: walked here too, on every step
+        # A model's output dataclass: walked here too, on every step.
+        plain = len(dataclasses.fields(kind)) == len(kind.__dataclass_fields__)  # no InitVar, no ClassVar
+        return _DATACLASS if plain else _DATACLASS_INITVAR
     return _GENERAL
 
 
@@ -140,20 +142,18 @@ def _map_one(fn: Callable[..., Any], tree: Any) -> Any:
         how = _how(kind)
     if how == _LEAF:
         return fn(tree)
-    if how == _DATACLASS:
+    if how == _DATACLASS or how == _DATACLASS_INITVAR:
         values = {}
         for n in _INIT_FIELDS.get(kind) or _init_fields(kind):
             v = getattr(tree, n)
             values[n] = fn(v) if type(v) in _PLAIN_LEAVES else _map_one(fn, v)
-        # Its constructor takes exactly its init fields: called directly (dataclasses.replace's result, without its checks).
-        return kind(**values) if kind in _PLAIN_INIT else dataclasses.replace(tree, **values)
+        return kind(**values) if how == _DATACLASS else dataclasses.replace(tree, **values)
     if how == _MODEL_OUTPUT:
         return kind(**{k: fn(v) if type(v) in _PLAIN_LEAVES else _map_one(fn, v) for k, v in tree.items()})
     return _map_general(fn, tree)
 
 
 _PLAIN_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str})
-_PLAIN_INIT: set[type] = set()  # dataclasses without InitVar pseudo-fields: kind(**init fields) is replace()
 
 
 _INIT_FIELDS: dict[type, tuple[str, ...]] = {}

@@ -670,13 +670,11 @@ class Accelerator:
 
     # -- each prepared optimizer's step and zero_grad come here ---------------------------
     def _step_optimizer(self, wrapped: AcceleratedOptimizer, closure: Any) -> Any:
-        # On every step: attributes are read directly, and what is off costs no call.
-        if not self.gradient_state.sync_gradients:
+        if not self.gradient_state.sync_gradients:  # (read directly: this runs on every step)
             return None
         first = wrapped is self.prepared.optimizers[0]
-        if not self.audit.grads:  # (the audit records the gradients' dtypes once)
-            self.audit.observe_gradients(wrapped.optimizer)
-        models = self._observe_before_step(wrapped) if self.preparer.monitor is not None else None
+        self.audit.observe_gradients(wrapped.optimizer)
+        models = self._observe_before_step(wrapped)
         out = None
         try:
             out = self.precision.optimizer_step(wrapped.optimizer, closure)

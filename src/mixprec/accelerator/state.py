@@ -169,8 +169,8 @@ class GradientState(_State):
     @property
     def end_of_dataloader(self) -> bool:
         """Whether the batch just yielded is the active dataloader's last."""
-        refs = self.dataloader_references  # (the active one, read here directly: on every micro-batch)
-        return bool(refs and refs[-1].end_of_dataloader)
+        dl = self.active_dataloader
+        return bool(dl is not None and dl.end_of_dataloader)
 
     @property
     def remainder(self) -> int:

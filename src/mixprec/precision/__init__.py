@@ -21,6 +21,7 @@ from mixprec.precision.names import (
     policy_for,
     precision_names,
     resolve_precision,
+    trainer_flags,
 )
 from mixprec.precision.registry import PLUGINS, make_plugin
 from mixprec.precision.scaled_steps import ScaledSteps
@@ -43,4 +44,5 @@ __all__ = [
     "policy_for",
     "precision_names",
     "resolve_precision",
+    "trainer_flags",
 ]

@@ -112,13 +112,8 @@ class PrecisionPlugin:
         return data
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        """The context the forward runs in (autocast for the mixed precisions): the policy's
-        :meth:`~mixprec.precision.PrecisionPolicy.autocast` on this device, built here in one call (it
-        is entered on every forward)."""
-        policy = self.policy
-        if not policy.autocast_enabled:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=policy.compute_dtype)
+        """The context the forward runs in (autocast for the mixed precisions)."""
+        return self.policy.autocast(self.device)
 
     def convert_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer this precision steps with (bf16-true swaps in a compensated twin)."""

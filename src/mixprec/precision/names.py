@@ -24,6 +24,7 @@ __all__ = [
     "precision_names",
     "canonical_precision",
     "accelerate_name",
+    "trainer_flags",
     "CANONICAL_PRECISIONS",
 ]
 
@@ -67,6 +68,18 @@ def accelerate_name(name: str) -> str | None:
         ('bf16', 'no', None)
     """
     return _TABLE[canonical_precision(name)].accelerate
+
+
+def trainer_flags(name: str) -> dict[str, bool]:
+    """transformers' ``TrainingArguments`` flags for precision ``name``: ``{"bf16": ..., "fp16": ...}``
+    (both ``False`` for fp32; its Trainer has no flag for bf16-true or fp8, which get both ``False``).
+
+    Example:
+        >>> trainer_flags("bf16-mixed")
+        {'bf16': True, 'fp16': False}
+    """
+    accelerate = accelerate_name(name)
+    return {"bf16": accelerate == "bf16", "fp16": accelerate == "fp16"}
 
 
 def precision_names() -> dict[str, list[str]]:
@@ -145,7 +158,8 @@ class PrecisionPolicy:
         """
         if not self.autocast_enabled:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=torch.device(device).type, dtype=self.compute_dtype)
+        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+        return torch.autocast(device_type, dtype=self.compute_dtype)
 
 
 def canonical_precision(name: object) -> str:

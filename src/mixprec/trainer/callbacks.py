@@ -69,9 +69,9 @@ def _does_nothing(cb: Any, event: str) -> bool:
     return True
 
 # What each event clears before the callbacks see it (Hugging Face's CallbackHandler does the same).
-EVENT_CLEARS = {"on_train_begin": ("should_training_stop",), "on_epoch_begin": ("should_epoch_stop",),
-                "on_step_begin": ("should_log", "should_evaluate", "should_save"),
-                "on_evaluate": ("should_evaluate",), "on_save": ("should_save",), "on_log": ("should_log",)}
+_CLEARS = {"on_train_begin": ("should_training_stop",), "on_epoch_begin": ("should_epoch_stop",),
+           "on_step_begin": ("should_log", "should_evaluate", "should_save"), "on_evaluate": ("should_evaluate",),
+           "on_save": ("should_save",), "on_log": ("should_log",)}
 
 
 class CallbackHandler:
@@ -142,8 +142,7 @@ class CallbackHandler:
     def call(self, event: str, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         """Run ``event`` on every callback that does something on it, after clearing the flags it
         clears; returns the control."""
-        for flag in EVENT_CLEARS.get(event, ()):
-            setattr(control, flag, False)
+        clear_flags(event, control)
         listening = self.listeners(event)
         if not listening:
             return control
@@ -160,6 +159,14 @@ class CallbackHandler:
         return control
 
     call_event = call
+
+
+def clear_flags(event: str, control: TrainerControl) -> TrainerControl:
+    """Clear the flags of ``control`` that ``event`` clears before its callbacks run (transformers'
+    rule: ``should_log``, ``should_evaluate`` and ``should_save`` at each step's start, ...)."""
+    for flag in _CLEARS.get(event, ()):
+        setattr(control, flag, False)
+    return control
 
 
 def restore_states(callbacks: list[Any], control: TrainerControl, saved: dict[str, Any]) -> TrainerControl:

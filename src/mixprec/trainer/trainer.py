@@ -39,10 +39,10 @@ from mixprec.models import call_model, extract_loss, original_forward
 from mixprec.trainer.adapters import checkpoint_adapters, model_to_inspect
 from mixprec.trainer.args import TrainingArguments
 from mixprec.trainer.callbacks import (
-    EVENT_CLEARS,
     CallbackHandler,
     DefaultFlowCallback,
     TrainerCallback,
+    clear_flags,
     hf_compatible,
     log,
     restore_states,
@@ -275,9 +275,7 @@ class Trainer:
     def _event(self, name: str, **kwargs: Any) -> TrainerControl:
         h = self.callback_handler
         if not h.listeners(name):  # only the flags the event clears: no callback to hand objects to
-            for flag in EVENT_CLEARS.get(name, ()):
-                setattr(self.control, flag, False)
-            return self.control
+            return clear_flags(name, self.control)
         h.model, h.optimizer, h.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
         self.control = h.call(name, self.args, self.state, self.control, **kwargs)
         return self.control

@@ -28,7 +28,7 @@ from mixprec.apps.bench.runners import (
 )
 from mixprec.data import send_to_device
 from mixprec.models import call_model, loss_of
-from mixprec.precision import accelerate_name, policy_for
+from mixprec.precision import accelerate_name, policy_for, trainer_flags
 
 __all__ = ["TorchLoopRunner", "HFTrainerRunner", "accelerate_runner", "compare_precision", "hf_missing",
            "reset_hf_state", "RIVALS", "RIVAL_FACTORIES"]
@@ -126,7 +126,7 @@ class HFTrainerRunner:
         self.model.register_forward_hook(self._record_loss)
         self._dir = tempfile.TemporaryDirectory(prefix="mixprec-bench-hf-")
         args = transformers.TrainingArguments(
-            output_dir=self._dir.name, bf16=accelerate_name(precision) == "bf16", fp16=accelerate_name(precision) == "fp16",
+            output_dir=self._dir.name, **trainer_flags(precision),
             use_cpu=device.type == "cpu", optim="adamw_torch_fused", learning_rate=config.lr, weight_decay=0.0,
             lr_scheduler_type="constant", max_grad_norm=0.0, per_device_train_batch_size=config.batch_size,
             max_steps=steps_to_train(config), logging_strategy="no", save_strategy="no", report_to="none",
