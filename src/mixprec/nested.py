@@ -137,14 +137,12 @@ def _map_one(fn: Callable[..., Any], tree: Any) -> Any:
         return [fn(v) if type(v) in _PLAIN_LEAVES else _map_one(fn, v) for v in tree]
     if kind is tuple:
         return tuple([fn(v) if type(v) in _PLAIN_LEAVES else _map_one(fn, v) for v in tree])
-    how = _HOW.get(kind) if len(pytree.SUPPORTED_NODES) == _HOW_FOR[0] else None
-    if how is None:
-        how = _how(kind)
+    how = _how(kind)
     if how == _LEAF:
         return fn(tree)
     if how == _DATACLASS or how == _DATACLASS_INITVAR:
         values = {}
-        for n in _INIT_FIELDS.get(kind) or _init_fields(kind):
+        for n in _init_fields(kind):
             v = getattr(tree, n)
             values[n] = fn(v) if type(v) in _PLAIN_LEAVES else _map_one(fn, v)
         return kind(**values) if how == _DATACLASS else dataclasses.replace(tree, **values)
