@@ -1,12 +1,17 @@
 """What a training step pays for, and only that: the callback handler calls, for each event, only the
 callbacks that do something on it (worked out once, again when the callbacks change), so a step pays
-nothing for events nobody overrides."""
+nothing for events nobody overrides; and the training forward converts only the loss it keeps."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from mixprec import Trainer, TrainingArguments
+from mixprec.models import call_model
 from mixprec.trainer.callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback, TrainerControl
+
+from toys import Classifier, blobs
 
 
 class Counts(TrainerCallback):
@@ -58,3 +63,43 @@ def test_the_flags_an_event_clears_are_cleared_even_when_nobody_listens():
     control = TrainerControl(should_log=True, should_save=True)
     CallbackHandler([]).call("on_step_begin", None, None, control)
     assert not control.should_log and not control.should_save
+
+
+class SquareLoss(Classifier):
+    """A loss the model computes in the autocast dtype (``mean`` keeps bf16): converted to fp32 alone."""
+
+    def forward(self, features, labels=None):
+        out = super().forward(features, labels)
+        return type(out)(loss=out.logits.square().mean(), logits=out.logits)
+
+
+@pytest.mark.parametrize("model_cls", [Classifier, SquareLoss])
+def test_the_training_forward_converts_only_the_loss_and_trains_bit_for_bit_as_when_it_converted_all(
+        tmp_path, monkeypatch, model_cls):
+    data = blobs(96)
+
+    def run(convert_all):
+        with monkeypatch.context() as m:
+            if convert_all:  # the previous behaviour: the prepared forward converts every output
+                m.setattr(Trainer, "_forward_for_loss", lambda self, model, inputs: call_model(model, inputs, self.model))
+            torch.manual_seed(0)
+            model = model_cls(hidden=32)
+            seen = []
+            model.register_forward_hook(lambda mod, inp, out: seen.append((out.logits.dtype, out.loss.dtype)))
+            a = TrainingArguments(output_dir=str(tmp_path / "out"), bf16=True, use_cpu=True, disable_tqdm=True,
+                                  per_device_train_batch_size=16, num_train_epochs=2, logging_steps=1,
+                                  save_strategy="no", report_to="none", learning_rate=1e-2)
+            trainer = Trainer(model=model, args=a, train_dataset=data)
+            trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return [p.detach().clone() for p in model.parameters()], losses, seen, trainer
+
+    weights_all, losses_all, seen_all, _ = run(convert_all=True)
+    weights, losses, seen, trainer = run(convert_all=False)
+    assert len(losses) == 12 and losses == losses_all
+    assert all(torch.equal(p, q) for p, q in zip(weights, weights_all))
+    assert seen_all[0][0] == torch.float32 and seen[0][0] == torch.bfloat16  # the logits nobody kept: as computed
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert trainer.compute_loss(trainer.model_wrapped, batch).dtype == torch.float32
+    loss, outputs = trainer.compute_loss(trainer.model_wrapped, batch, return_outputs=True)
+    assert loss.dtype == outputs.logits.dtype == torch.float32  # outputs handed back: converted, as Accelerate's

@@ -16,7 +16,7 @@ from mixprec.models import ORIGINAL_FORWARD
 from mixprec.precision import PrecisionPlugin
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "OptimizerHooks", "PreparedDDP", "patch_forward",
-           "repoint_forward", "unpatch_forward", "unwrap", "unwrap_keeping_compile"]
+           "precision_forward", "repoint_forward", "unpatch_forward", "unwrap", "unwrap_keeping_compile"]
 
 _ORIGINAL = ORIGINAL_FORWARD  # models.original_forward reads it
 _PRECISION = "_mixprec_precision"  # a function returning the owner's current plugin
@@ -35,6 +35,9 @@ class _PrecisionForward:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        # Off (by the caller, for one call) when the caller keeps only the loss and converts that
+        # itself: the Trainer's training step (see :func:`precision_forward`).
+        self.converts_output = True
 
     @property
     def __wrapped__(self) -> Any:  # read when asked: an unpickled model's attributes come after this
@@ -47,7 +50,7 @@ class _PrecisionForward:
             args, kwargs = plugin.convert_input(args), plugin.convert_input(kwargs)
         with plugin.forward_context():
             out = getattr(model, _ORIGINAL)(*args, **kwargs)
-        return plugin.convert_output(out)
+        return plugin.convert_output(out) if self.converts_output else out
 
     def __reduce__(self) -> tuple:
         return _PrecisionForward, (self.model,)
@@ -76,6 +79,18 @@ def patch_forward(model: torch.nn.Module, current_precision: Callable[[], Precis
     setattr(model, _PRECISION, current_precision)
     setattr(model, _ORIGINAL, original)
     model.forward = _PrecisionForward(model)
+
+
+def precision_forward(model: torch.nn.Module) -> _PrecisionForward | None:
+    """The forward :func:`patch_forward` gave ``model`` (or the module inside its DDP / compile
+    wrappers); ``None`` if it has none.
+
+    A caller that keeps only the loss of a call may turn its ``converts_output`` off for that call
+    and convert the loss alone (``plugin.convert_output(loss)``): in bf16 or fp16 the outputs it
+    drops are then not cast to fp32 (a cast, and an autograd node, per output tensor).
+    """
+    forward = unwrap(model).__dict__.get("forward")
+    return forward if isinstance(forward, _PrecisionForward) else None
 
 
 def repoint_forward(model: torch.nn.Module, current_precision: Callable[[], PrecisionPlugin]) -> None:

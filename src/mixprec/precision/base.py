@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mixprec.precision import grouped_step
+from mixprec.precision import optimizer_calls
 from mixprec.precision.config import PrecisionConfig
 from mixprec.precision.names import PrecisionPolicy
 from mixprec.precision.scaled_steps import ScaledSteps
@@ -154,13 +154,13 @@ class PrecisionPlugin:
         """Step ``optimizer`` (or skip it, where the precision checks for inf/NaN)."""
         if self.steps is not None:
             return self.steps.optimizer_step(optimizer, closure)
-        return grouped_step.step(optimizer, closure)  # alike parameter groups stepped as one
+        return optimizer_calls.step(optimizer, closure)  # torch's step, less what nothing observes
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """Clear ``optimizer``'s gradients."""
         if self.steps is not None:
             return self.steps.zero_grad(optimizer, set_to_none)
-        optimizer.zero_grad(set_to_none=set_to_none)
+        optimizer_calls.zero_grad(optimizer, set_to_none)
 
     def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s last step was skipped for inf/NaN gradients (may sync)."""

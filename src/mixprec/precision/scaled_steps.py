@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mixprec.precision import optimizer_calls
 from mixprec.precision.scaler import LossScaler
 
 __all__ = ["ScaledSteps"]
@@ -166,7 +167,7 @@ class ScaledSteps:
             self._close_iteration()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
-        optimizer.zero_grad(set_to_none=set_to_none)
+        optimizer_calls.zero_grad(optimizer, set_to_none)
         self._carried.pop(id(optimizer), None)
         self._fresh.discard(id(optimizer))
 

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from mixprec.accelerator.accelerator import Accelerator
 from mixprec.accelerator.configs import DataLoaderConfiguration, GradientAccumulationPlugin
 from mixprec.accelerator.utils import find_executable_batch_size, set_seed
-from mixprec.accelerator.wrappers import AcceleratedOptimizer
+from mixprec.accelerator.wrappers import AcceleratedOptimizer, precision_forward
 from mixprec.checkpoint.folder import CheckpointError
 from mixprec.checkpoint.lock import RunLock
 from mixprec.checkpoint.transformers_rng import set_transformers_rng_state
@@ -831,6 +831,21 @@ class Trainer:
             self.accelerator.backward(loss)
         return loss.detach().float()
 
+    def _forward_for_loss(self, model: torch.nn.Module, inputs: Any) -> Any:
+        """``model``'s outputs on ``inputs`` as its forward computed them, unconverted by the
+        precision (in bf16 or fp16: not cast to fp32), for a caller that keeps only the loss."""
+        known = self.__dict__.get("_forward_of")
+        if known is None or known[0] is not model:
+            known = self._forward_of = (model, precision_forward(model))
+        forward = known[1]
+        if forward is None or not forward.converts_output:  # (not prepared; or a nested call: left as it is)
+            return call_model(model, inputs, self.model)
+        forward.converts_output = False
+        try:
+            return call_model(model, inputs, self.model)
+        finally:
+            forward.converts_output = True
+
     def _optimizer_has_modes(self) -> bool:
         """Whether the optimizer has train/eval modes (schedule-free), decided once per optimizer."""
         opt = self.optimizer
@@ -856,8 +871,14 @@ class Trainer:
             else:
                 loss = smoother(outputs, labels, shift_labels=_is_causal_lm(self.accelerator.unwrap_model(model)))
             return (loss, outputs) if return_outputs else loss
-        outputs = call_model(model, inputs, self.model)
-        loss = extract_loss(outputs)
+        if return_outputs:
+            outputs = call_model(model, inputs, self.model)
+            loss = extract_loss(outputs)
+        else:  # only the loss is kept: only the loss is converted to the outputs' precision
+            outputs = self._forward_for_loss(model, inputs)
+            loss = extract_loss(outputs)
+            if loss is not None:
+                loss = self.accelerator.precision.convert_output(loss)
         if loss is None:
             have = ", ".join(inputs) if isinstance(inputs, Mapping) else type(inputs).__name__
             missing = [k for k in self.label_names if not (isinstance(inputs, Mapping) and k in inputs)]
