@@ -157,3 +157,20 @@ def test_the_observers_leave_the_prepared_objects_picklable():
     for obj in (model, opt):
         assert type(pickle.loads(pickle.dumps(obj))) is type(obj)
     assert acc.precision_report().ok and acc.precision_report().observed["gradients"] == "float32"
+
+
+@pytest.mark.parametrize("call", ["module", "forward"])
+def test_the_first_forwards_probes_are_gone_after_it_even_when_the_root_is_called_through_forward(call):
+    """Each module's probe goes when the module's first call ends: a model whose root is called
+    through ``.forward()`` (the root's own hooks never run) does not keep torch's slower hooked
+    call path on every layer for the rest of the run. Layers the first forward did not call keep
+    theirs (they cost nothing) until the root's hook runs."""
+    acc = Accelerator(mixed_precision="bf16", cpu=True)
+    unused = torch.nn.Linear(2, 2)
+    model = acc.prepare(torch.nn.ModuleDict({"body": net(), "unused": unused}))
+    body = model["body"]
+    hooked = [m for m in body.modules() if m._forward_pre_hooks or m._forward_hooks]
+    assert len(hooked) == 2  # the two Linear layers, probed
+    body(torch.randn(4, 8)) if call == "module" else body.forward(torch.randn(4, 8))
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in body.modules())
+    assert unused._forward_pre_hooks and [r["path"] for r in acc.audit.forward] == ["body.0", "body.2"]

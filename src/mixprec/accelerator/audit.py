@@ -157,9 +157,11 @@ class PrecisionAudit:
             chosen = [(n, m) for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
         self._kept_fp32.update(id(p) for m in model.modules() if fp32_modules_rule(m) for p in m.parameters(recurse=False))
         probes = [_FirstForward(path, self.forward) for path, _ in chosen]
-        handles = [h for (_, module), probe in zip(chosen, probes)
-                   for h in (module.register_forward_pre_hook(probe.pre), module.register_forward_hook(probe.post))]
-        done = _RemoveAfterForward(handles)
+        for (_, module), probe in zip(chosen, probes):
+            probe.handles = [module.register_forward_pre_hook(probe.pre), module.register_forward_hook(probe.post)]
+        # Each probe goes when its module's first call ends; the root's hook removes those of modules
+        # the first forward did not call (a model called through .forward() never runs the root's hooks).
+        done = _RemoveAfterForward([h for probe in probes for h in probe.handles])
         done.handles.append(model.register_forward_hook(done))
         self._handles += done.handles
         if hasattr(model, "set_all_reduce_hook"):  # FSDP2: the reduce-scatter output of every group
@@ -269,10 +271,12 @@ class PrecisionAudit:
 
 class _FirstForward:
     """One module's forward hooks (picklable, as the module may be): its parameters' dtypes and
-    the autocast state as its forward starts, its output's dtype as it ends, recorded once."""
+    the autocast state as its forward starts, its output's dtype as it ends, recorded once; then
+    both hooks are removed (a module with hooks takes torch's slower call path)."""
 
     def __init__(self, path: str, records: list[dict[str, Any]]) -> None:
         self.path, self.records, self.seen = path, records, {}
+        self.handles: list[Any] = []
 
     def pre(self, module: torch.nn.Module, args: Any) -> None:
         params = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
@@ -286,6 +290,8 @@ class _FirstForward:
         if self.seen and "output" not in self.seen and torch.is_tensor(output) and output.is_floating_point():
             self.seen["output"] = output.dtype
             self.records.append(self.seen)
+        for h in self.handles:
+            h.remove()
 
 
 class _RemoveAfterForward:

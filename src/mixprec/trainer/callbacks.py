@@ -142,8 +142,12 @@ class CallbackHandler:
     def call(self, event: str, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         """Run ``event`` on every callback that does something on it, after clearing the flags it
         clears; returns the control."""
+        return self.call_listeners(event, self.listeners(event), args, state, control, **kwargs)
+
+    def call_listeners(self, event: str, listening: list[Any], args: Any, state: Any, control: TrainerControl,
+            **kwargs: Any) -> TrainerControl:
+        """:meth:`call` for ``listening``, the event's :meth:`listeners` as the caller just read them."""
         clear_flags(event, control)
-        listening = self.listeners(event)
         if not listening:
             return control
         objects = {k: getattr(self, k) for k in ("model", "processing_class", "optimizer", "lr_scheduler",

@@ -40,7 +40,7 @@ class LossSinceLog:
         3.0
     """
 
-    def __init__(self, total: torch.Tensor, nan_inf_filter: bool, chunk: int = 32) -> None:
+    def __init__(self, total: torch.Tensor, nan_inf_filter: bool, chunk: int = 64) -> None:
         self._sum, self.nan_inf_filter, self.chunk = total, nan_inf_filter, chunk
         self._losses: list[torch.Tensor] = []
         self._steps: list[int] = []

@@ -274,10 +274,11 @@ class Trainer:
 
     def _event(self, name: str, **kwargs: Any) -> TrainerControl:
         h = self.callback_handler
-        if not h.listeners(name):  # only the flags the event clears: no callback to hand objects to
+        listening = h.listeners(name)
+        if not listening:  # only the flags the event clears: no callback to hand objects to
             return clear_flags(name, self.control)
         h.model, h.optimizer, h.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
-        self.control = h.call(name, self.args, self.state, self.control, **kwargs)
+        self.control = h.call_listeners(name, listening, self.args, self.state, self.control, **kwargs)
         return self.control
 
     def _load_callback_state(self) -> None:
