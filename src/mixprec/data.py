@@ -592,9 +592,10 @@ def _epoch(loader: Any, it: Iterator[Any], skip: int) -> Iterator[Any]:
         # The two counters are written into the loader's __dict__: the same attributes, without
         # torch DataLoader's __setattr__ (a Python call) on every batch.
         state = loader.__dict__
-        current = next(it, _END)
+        fetch = _fetcher(it)
+        current = fetch()
         while current is not _END:
-            nxt = next(it, _END)
+            nxt = fetch()
             # Looking one batch ahead tells whether this is the last: accumulate() and
             # gather_for_metrics need to know before the batch is used.
             state["end_of_dataloader"] = nxt is _END
@@ -607,6 +608,38 @@ def _epoch(loader: Any, it: Iterator[Any], skip: int) -> Iterator[Any]:
     finally:
         if loader._on_end is not None:
             loader._on_end(loader)
+
+
+def _fetcher(it: Iterator[Any]) -> Any:
+    """A function returning ``next(it)``, or ``_END`` when ``it`` is exhausted.
+
+    For torch's own single-process iterator over a map-style dataset (what a ``DataLoader`` with
+    ``num_workers=0`` iterates), it is what torch's ``__next__`` does, less the profiler range that
+    ``__next__`` opens around every batch (on a short step it costs as much as fetching a small
+    batch): the same indices, samples and collate, the same count of batches yielded. Under a
+    profiler, and for any other iterator, ``next(it)`` itself.
+    """
+    if type(it) is not _SINGLE_PROCESS or type(it).__next__ is not _TORCH_NEXT or it._dataset_kind != _MAP_STYLE:
+        return lambda: next(it, _END)
+
+    def fetch() -> Any:
+        if torch.autograd._profiler_enabled():
+            return next(it, _END)
+        if it._sampler_iter is None:  # (as torch's __next__)
+            it._reset()
+        try:
+            batch = it._next_data()
+        except StopIteration:
+            return _END
+        it._num_yielded += 1
+        return batch
+
+    return fetch
+
+
+_SINGLE_PROCESS = torch.utils.data.dataloader._SingleProcessDataLoaderIter
+_TORCH_NEXT = torch.utils.data.dataloader._BaseDataLoaderIter.__next__
+_MAP_STYLE = torch.utils.data.dataloader._DatasetKind.Map
 
 
 class IterableLoader:
