@@ -103,3 +103,35 @@ def test_the_training_forward_converts_only_the_loss_and_trains_bit_for_bit_as_w
     assert trainer.compute_loss(trainer.model_wrapped, batch).dtype == torch.float32
     loss, outputs = trainer.compute_loss(trainer.model_wrapped, batch, return_outputs=True)
     assert loss.dtype == outputs.logits.dtype == torch.float32  # outputs handed back: converted, as Accelerate's
+
+
+def test_the_fast_paths_train_bit_for_bit_as_torchs_own_calls(tmp_path):
+    """Under a profiler every torch call is made as torch makes it (the optimizer's step and
+    zero_grad with their wrappers and groups one by one, the loader's __next__): the same run
+    without one (the fast paths) gives the same logged losses and weights, bit for bit."""
+    from mixprec.tasks.digits import DigitsDataset, DigitsMLP
+
+    data = DigitsDataset("train")
+
+    def run(profiled):
+        torch.manual_seed(0)
+        model = DigitsMLP(hidden_size=32)
+        a = TrainingArguments(output_dir=str(tmp_path / "out"), bf16=True, use_cpu=True, disable_tqdm=True,
+                              optim="adamw_torch_fused", max_grad_norm=1.0, per_device_train_batch_size=64,
+                              max_steps=30, logging_steps=1, save_strategy="no", report_to="none")
+        trainer = Trainer(model=model, args=a, train_dataset=data)
+        if profiled:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                trainer.train()
+            names = {e.name for e in prof.events()}
+            assert any(n.startswith("Optimizer.step#") for n in names)
+            assert any(n.startswith("enumerate(DataLoader)#") for n in names)
+        else:
+            trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return [p.detach().clone() for p in model.parameters()], losses
+
+    weights, losses = run(profiled=False)
+    ref_weights, ref_losses = run(profiled=True)
+    assert len(losses) == 30 and losses == ref_losses
+    assert all(torch.equal(p, q) for p, q in zip(weights, ref_weights))
