@@ -145,7 +145,7 @@ class CallbackHandler:
         return self.call_listeners(event, self.listeners(event), args, state, control, **kwargs)
 
     def call_listeners(self, event: str, listening: list[Any], args: Any, state: Any, control: TrainerControl,
-            **kwargs: Any) -> TrainerControl:
+                       **kwargs: Any) -> TrainerControl:
         """:meth:`call` for ``listening``, the event's :meth:`listeners` as the caller just read them."""
         clear_flags(event, control)
         if not listening:

@@ -872,14 +872,10 @@ class Trainer:
             else:
                 loss = smoother(outputs, labels, shift_labels=_is_causal_lm(self.accelerator.unwrap_model(model)))
             return (loss, outputs) if return_outputs else loss
-        if return_outputs:
-            outputs = call_model(model, inputs, self.model)
-            loss = extract_loss(outputs)
-        else:  # only the loss is kept: only the loss is converted to the outputs' precision
-            outputs = self._forward_for_loss(model, inputs)
-            loss = extract_loss(outputs)
-            if loss is not None:
-                loss = self.accelerator.precision.convert_output(loss)
+        outputs = call_model(model, inputs, self.model) if return_outputs else self._forward_for_loss(model, inputs)
+        loss = extract_loss(outputs)
+        if loss is not None and not return_outputs:  # only the loss is kept: it alone is converted (fp32 in mixed)
+            loss = self.accelerator.precision.convert_output(loss)
         if loss is None:
             have = ", ".join(inputs) if isinstance(inputs, Mapping) else type(inputs).__name__
             missing = [k for k in self.label_names if not (isinstance(inputs, Mapping) and k in inputs)]
