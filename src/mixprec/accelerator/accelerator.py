@@ -48,6 +48,7 @@ from mixprec.precision import (
     PrecisionConfig,
     PrecisionPlugin,
     PrecisionPolicy,
+    accelerate_name,
     make_plugin,
     resolve_precision,
 )
@@ -58,7 +59,14 @@ from mixprec.tracking import Trackers
 __all__ = ["Accelerator"]
 
 _PRECISION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PrecisionConfig)}
-_ACCELERATE_NAMES = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16-true", "fp8": "fp8"}
+# DDP's gradient compression (``ddp_comm_hook``): the dtype its all-reduce sends gradients in.
+_DDP_WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _accelerate_word(policy: PrecisionPolicy) -> str:
+    """The precision in Accelerate's words (the names table's); bf16-true, which Accelerate has no
+    name for, in mixprec's."""
+    return accelerate_name(policy.name) or policy.name
 
 
 @expose(PROCESS_API, "state")  # who am I, read from self.state as Accelerate's are
@@ -202,7 +210,7 @@ class Accelerator:
         if not isinstance(gradient_accumulation_steps, int) or isinstance(gradient_accumulation_steps, bool) \
                 or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
-        if ddp_comm_hook not in (None, "fp16", "bf16"):
+        if ddp_comm_hook is not None and ddp_comm_hook not in _DDP_WIRE_DTYPES:
             raise ValueError(f"ddp_comm_hook must be None, 'fp16' or 'bf16', got {ddp_comm_hook!r}")
         given = {"loss_scaler": loss_scaler, "skip_nonfinite_steps": skip_nonfinite_steps,
                  "bf16_true_compensation": bf16_true_compensation, "bf16_true_state_dtype": bf16_true_state_dtype,
@@ -241,7 +249,7 @@ class Accelerator:
         self.processes = Processes(info, device)
         policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", device)
         # (bf16-true computes in bf16: Accelerate's code that reads the precision reads "bf16")
-        _share_with_accelerate(cpu=device.type == "cpu", mixed_precision=_ACCELERATE_NAMES[policy.name].split("-")[0])
+        _share_with_accelerate(cpu=device.type == "cpu", mixed_precision=_accelerate_word(policy).split("-")[0])
         #: What the run's precision does (read at call time by the prepared models and optimizers).
         if scaler_kwargs and policy.needs_loss_scaler and precision_config.loss_scaler is None:
             # GradScalerKwargs set the fp16 scaler (where there is none, Accelerate ignores it too).
@@ -251,7 +259,7 @@ class Accelerator:
             precision_config = self.precision_config = dataclasses.replace(precision_config, **_fp8_fields(ao))
         self.precision: PrecisionPlugin = self._make_precision(policy, device, precision_config)
         #: Who this process is (Accelerate's ``accelerator.state``; this Accelerator's own, not global).
-        self.state = AcceleratorState(self.processes, mixed_precision=_ACCELERATE_NAMES[policy.name])
+        self.state = AcceleratorState(self.processes, mixed_precision=_accelerate_word(policy))
         self.state.is_fsdp2 = self.fsdp_plugin is not None
         self.state.fsdp_plugin = self.fsdp_plugin
         #: Experiment tracking (``log_with``): started by :meth:`init_trackers`, on the main process.
@@ -276,7 +284,7 @@ class Accelerator:
                                            precision=self._current_precision),
             diagnostics=self.diagnostics, fsdp_plugin=self.fsdp_plugin,
             # The dtype DDP's all-reduce sends gradients in, when ddp_comm_hook compresses them.
-            ddp_wire_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(ddp_comm_hook or ""),
+            ddp_wire_dtype=_DDP_WIRE_DTYPES.get(ddp_comm_hook),
             compile=compile, dataloader_config=self.dataloader_config, device_placement=device_placement,
             step_scheduler_with_optimizer=step_scheduler_with_optimizer, ddp_kwargs=ddp_kwargs)
         #: Checkpoints in and out, and the model out.
@@ -366,7 +374,7 @@ class Accelerator:
     @property
     def mixed_precision(self) -> str:
         """The precision in Accelerate's words: ``"no"``, ``"fp16"``, ``"bf16"`` (or ``"bf16-true"``)."""
-        return _ACCELERATE_NAMES[self.policy.name]
+        return _accelerate_word(self.policy)
 
     @property
     def use_distributed(self) -> bool:
@@ -729,7 +737,7 @@ class Accelerator:
         self.precision.release()
         # The loss scaler stays behind: the precisions a run falls back to need none.
         self.precision = self._make_precision(name, self.device, self.precision_config.replace(loss_scaler=None))
-        self.state.mixed_precision = _ACCELERATE_NAMES[self.precision.policy.name]
+        self.state.mixed_precision = _accelerate_word(self.precision.policy)
         for o in self.prepared.optimizers:
             self.precision.track_optimizer(o.optimizer)
 

@@ -116,8 +116,9 @@ def _command(config: BenchConfig, out: Path) -> str:
     words += (["--device", config.device] if config.device else []) + (
         ["--compare", ",".join(config.compare)] if config.compare else [])
     if any(PLUGINS[p].variant_field for p in (config.precisions or DEFAULT_PRECISIONS)):  # bf16-true's compensations
+        state_dtype = config.bf16_true_state_dtype  # (written out only where it is not the default)
         words += ["--bf16-true-compensation", ",".join(config.bf16_true_compensation)] + (
-            ["--bf16-true-state-dtype", config.bf16_true_state_dtype] if config.bf16_true_state_dtype != "fp32" else [])
+            ["--bf16-true-state-dtype", state_dtype] if state_dtype != BenchConfig.bf16_true_state_dtype else [])
     words += ["--compile"] if config.compile else []
     words += (["--no-memory"] if not config.memory else []) + (
         ["--matmul-size", str(config.matmul_size)] if config.matmul_size else [])
