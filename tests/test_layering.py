@@ -7,7 +7,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mixprec"
 # Top to bottom: each layer may import its own folder and the layers strictly below (a tuple is one level).
-LAYERS = ["cli", "apps", "trainer", "accelerator", "tracking",
+LAYERS = ["cli", "apps", "integrations", "trainer", "accelerator", "tracking",
           ("precision", "checkpoint", "distributed", "diagnostics"), "tasks", "leaves"]
 LEAVES = {"models", "data", "nested", "hardware"}
 # Within that one level, which sibling each may import (none, today).

@@ -20,6 +20,7 @@ from mixprec.accelerator import (
 from mixprec.checkpoint import CheckpointError, CheckpointNotFoundError
 from mixprec.distributed import FullyShardedDataParallelPlugin
 from mixprec.hardware import DeviceCapability, detect_capability
+from mixprec.integrations.transformers_engine import patch_transformers, unpatch_transformers
 from mixprec.precision import PrecisionPerformanceWarning, PrecisionPolicy, precision_names, resolve_precision
 from mixprec.precision.scaler import LossScaleCollapse, LossScaler
 from mixprec.tasks import GPT, GPTConfig, Task, get_task, load_factory
@@ -40,7 +41,6 @@ from mixprec.trainer import (
     TrainingArguments,
     TrainOutput,
 )
-from mixprec.trainer.engine import patch_transformers, unpatch_transformers
 
 __version__ = "0.1.0"
 

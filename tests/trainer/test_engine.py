@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec.trainer import engine
+from mixprec.integrations import transformers_engine as engine
 
 from toys import SineRegressor, SineRows
 

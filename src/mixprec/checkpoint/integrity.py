@@ -25,7 +25,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-__all__ = ["HashingFile", "WrittenFiles", "hash_in_background", "sha256_file", "write_safetensors"]
+__all__ = ["HashingFile", "WrittenFiles", "hash_in_background", "sha256_file", "sync_and_hash", "write_safetensors"]
 
 # sha256 releases the GIL on large buffers: hashes run beside the writing or reading thread. One
 # worker hashes what is written (a file's writes in order); two hash files being read (one file
@@ -51,6 +51,30 @@ def sha256_file(path: str | os.PathLike) -> str:
 def hash_in_background(path: str | os.PathLike) -> Future[str]:
     """Start hashing ``path`` on the worker thread; the future holds its sha256 hex digest."""
     return _READ_HASHERS.submit(sha256_file, path)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def sync_and_hash(root: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """fsync and hash every file under ``root`` that another writer wrote (transformers' Trainer,
+    which neither fsyncs nor hashes): each file's fsync runs on the fsync thread while the
+    hashing threads read it back from the page cache, so the hash costs little beyond the fsync
+    the disk needs anyway. Returns the manifest's rows (``{"size", "sha256"}``) by relative path,
+    for :func:`~mixprec.checkpoint.folder.commit_checkpoint`'s ``written``.
+
+    Raises:
+        OSError: a failed fsync or read (a full disk can first show here).
+    """
+    root = Path(root)
+    files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)
+    syncs = [_SYNCER.submit(_fsync_file, p) for p in files]
+    hashes = {p.relative_to(root).as_posix(): (p.stat().st_size, _READ_HASHERS.submit(sha256_file, p)) for p in files}
+    for s in syncs:
+        s.result()
+    return {rel: {"size": size, "sha256": digest.result()} for rel, (size, digest) in hashes.items()}
 
 
 class HashingFile:

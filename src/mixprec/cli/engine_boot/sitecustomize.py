@@ -53,7 +53,7 @@ class _SwitchOnImport(importlib.abc.MetaPathFinder):
 
 
 def _switch(spec: dict) -> None:
-    from mixprec.trainer.engine import patch_transformers
+    from mixprec.integrations.transformers_engine import patch_transformers
 
     patch_transformers(spec.get("precision"), **spec.get("options", {}))
 

@@ -9,17 +9,22 @@ everything else is the Accelerator keeping Accelerate's contract. One callback i
 transformers' default callbacks (``transformers.trainer.DEFAULT_CALLBACKS``), because nothing else
 can put what mixprec's Trainer shows into transformers' logs: the precision really in force in the
 first training log (``precision_in_force``), the loss scale and the skipped steps, and a warning
-when steps are skipped. No method of transformers is rewritten.
+when steps are skipped. Each Trainer built under the switch gets mixprec's checkpoints, resume and
+preemption (:mod:`mixprec.integrations.engine_checkpoints`, which says what it hooks), and
+``get_last_checkpoint`` in ``transformers.trainer`` (what ``resume_from_checkpoint=True`` calls)
+takes the newest checkpoint that verifies. No method of transformers is rewritten.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from typing import Any
 
 from mixprec.accelerator.accelerator import Accelerator
+from mixprec.integrations.engine_checkpoints import EngineCheckpoints, newest_good_checkpoint
 from mixprec.precision import resolve_precision
 
 __all__ = ["EnginePatch", "patch_transformers", "unpatch_transformers"]
@@ -43,6 +48,12 @@ class _SwitchedName(type):
             kwargs.update(patch.options)
         accelerator = Accelerator(*args, **kwargs)
         _BUILT[id(accelerator.state)] = accelerator
+        # transformers builds it in Trainer.create_accelerator_and_postprocess(self): that Trainer
+        # gets mixprec's checkpoints (a subclass's overrides included: the hooks wrap its methods).
+        owner = sys._getframe(1).f_locals.get("self")
+        hf_trainer = sys.modules.get("transformers.trainer")
+        if patch is not None and hf_trainer is not None and isinstance(owner, hf_trainer.Trainer):
+            EngineCheckpoints.attach(owner)
         return accelerator
 
     def __instancecheck__(cls, obj: Any) -> bool:
@@ -112,10 +123,14 @@ def patch_transformers(precision: str | None = None, **options: Any) -> EnginePa
     """Make transformers' ``Trainer``, and every subclass of it (trl's, sentence-transformers'),
     train through :class:`mixprec.Accelerator`.
 
-    Replaces the one name transformers' Trainer builds its Accelerator from
-    (``transformers.trainer.Accelerator``) and adds one callback to its default callbacks (the
-    precision in force in the first training log, the loss scale, skipped steps). Calling it again
-    keeps one switch and takes the new ``precision``.
+    Replaces the name transformers' Trainer builds its Accelerator from
+    (``transformers.trainer.Accelerator``) and the one ``resume_from_checkpoint=True`` finds its
+    checkpoint with (``transformers.trainer.get_last_checkpoint``: the newest that verifies), and
+    adds one callback to its default callbacks (the precision in force in the first training log,
+    the loss scale, skipped steps). Each Trainer built under it commits its checkpoints atomically,
+    verifies what it resumes from and stops cleanly on SIGTERM (exit 75): see
+    :mod:`mixprec.integrations.engine_checkpoints`. Calling it again keeps one switch and takes the
+    new ``precision``.
 
     Args:
         precision: any name :func:`~mixprec.resolve_precision` takes (``"bf16-true"``, ``"fp8"``,
@@ -151,7 +166,9 @@ def patch_transformers(precision: str | None = None, **options: Any) -> EnginePa
     with _lock:
         if _active is None:
             _saved["Accelerator"] = hf_trainer.Accelerator
+            _saved["get_last_checkpoint"] = hf_trainer.get_last_checkpoint
             hf_trainer.Accelerator = EngineAccelerator
+            hf_trainer.get_last_checkpoint = newest_good_checkpoint
             if _callback_class() not in hf_trainer.DEFAULT_CALLBACKS:
                 hf_trainer.DEFAULT_CALLBACKS.append(_callback_class())
         _active = EnginePatch(precision, options) if _active is None else _active
@@ -167,6 +184,7 @@ def unpatch_transformers() -> None:
             return
         hf_trainer = _transformers_trainer()
         hf_trainer.Accelerator = _saved.pop("Accelerator")
+        hf_trainer.get_last_checkpoint = _saved.pop("get_last_checkpoint")
         while _callback_class() in hf_trainer.DEFAULT_CALLBACKS:
             hf_trainer.DEFAULT_CALLBACKS.remove(_callback_class())
         _active = None
