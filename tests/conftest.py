@@ -3,6 +3,7 @@
 Models, datasets and the script/example paths are in ``toys.py`` (imported by name); this file
 holds what pytest itself must see.
 
+* ``@pytest.mark.soak`` marks long fault-injection runs, skipped unless selected (``-m soak``).
 * ``@pytest.mark.gpu`` is the one mechanism for tests that need CUDA: they are skipped, with the
   reason, where ``torch.cuda.is_available()`` is false, and run unchanged on a GPU machine.
 * The reference packages (``REFERENCES``: the installed transformers, accelerate, peft, torchao,
@@ -23,13 +24,22 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
+import subprocess
 import sys
 
 import pytest
 import torch
 
+import toys
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "soak" not in (config.option.markexpr or ""):
+        soak = pytest.mark.skip(reason="a soak run (marked soak): select it with -m soak")
+        for item in items:
+            if "soak" in item.keywords:
+                item.add_marker(soak)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu); none here")
@@ -100,3 +110,25 @@ def _fresh_accelerate_state():
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
         state.GradientState._reset_state()
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """A 3 MiB tmpfs mounted at ``tmp_path/"disk"``, lazily unmounted after the test."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("mounting a tmpfs needs Linux")
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        pytest.skip("no mount/umount command here")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={toys.DISK_BYTES}", "tmpfs", str(mnt)],
+                          capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs at {mnt}: {(proc.stderr or proc.stdout).strip()}")
+    try:
+        assert shutil.disk_usage(mnt).total == toys.DISK_BYTES, "the tmpfs is not the size asked for"
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)

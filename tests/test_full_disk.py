@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,52 +25,10 @@ import torch
 from mixprec import Accelerator, Trainer, TrainingArguments
 from mixprec.checkpoint import verify_checkpoint
 
-from toys import Classifier, blobs
+from toys import DISK_BYTES, Classifier, blobs, fill
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
 
-DISK_BYTES = 3 * 1024 * 1024  # the tmpfs: 3 MiB
-
-
-@pytest.fixture
-def disk(tmp_path):
-    """A 3 MiB tmpfs mounted at ``tmp_path/"disk"``, lazily unmounted after the test."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("mounting a tmpfs needs Linux")
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    if shutil.which("mount") is None or shutil.which("umount") is None:
-        pytest.skip("no mount/umount command here")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(mnt)],
-                          capture_output=True, text=True, timeout=30)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs at {mnt}: {(proc.stderr or proc.stdout).strip()}")
-    try:
-        assert shutil.disk_usage(mnt).total == DISK_BYTES, "the tmpfs is not the size asked for"
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
-
-
-def fill(disk: Path, leave: int = 0) -> Path:
-    """Take all the free space of ``disk`` but ``leave`` bytes with a filler file (``leave=0``:
-    write until the kernel says ENOSPC)."""
-    filler = disk / "filler"
-    chunk = bytes(64 * 1024)
-    with open(filler, "wb", buffering=0) as fh:
-        todo = shutil.disk_usage(disk).free - leave
-        try:
-            while todo > 0:
-                todo -= fh.write(chunk[:todo])
-            if leave == 0:
-                while True:
-                    fh.write(chunk)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
-    assert shutil.disk_usage(disk).free <= max(leave, 0) + 4096
-    return filler
 
 
 def staging_debris(disk: Path) -> list[str]:

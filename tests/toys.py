@@ -7,8 +7,10 @@ Fixtures live in ``conftest.py``; the classes and helpers here are imported by n
 from __future__ import annotations
 
 import builtins
+import errno
 import io
 import os
+import shutil
 import socket
 import sys
 from dataclasses import dataclass
@@ -201,3 +203,25 @@ class SineRegressor(torch.nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
         out = self.body(x)
         return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+
+DISK_BYTES = 3 * 1024 * 1024  # the tmpfs: 3 MiB
+
+
+def fill(disk: Path, leave: int = 0) -> Path:
+    """Take all the free space of ``disk`` but ``leave`` bytes with a filler file (``leave=0``:
+    write until the kernel says ENOSPC)."""
+    filler = disk / "filler"
+    chunk = bytes(64 * 1024)
+    with open(filler, "wb", buffering=0) as fh:
+        todo = shutil.disk_usage(disk).free - leave
+        try:
+            while todo > 0:
+                todo -= fh.write(chunk[:todo])
+            if leave == 0:
+                while True:
+                    fh.write(chunk)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    assert shutil.disk_usage(disk).free <= max(leave, 0) + 4096
+    return filler

@@ -10,7 +10,8 @@ on (``mixprec.patch_transformers()``). The run resumes from ``get_last_checkpoin
 every 2 steps. ``--kill-in-save STEP`` SIGKILLs process ``--rank`` (default 0) in the middle of the
 save at STEP, after the weights are written and before the optimizer's state; ``--sigterm-at
 STEP`` sends it SIGTERM as step STEP begins. A run that ends writes OUT/result-<rank>.json: the
-losses by step and the weights. ``--trl`` trains with trl's SFTTrainer instead.
+losses by step and the weights; one that exits with ``SystemExit`` writes OUT/exit-<rank>.json
+(its status and step). ``--trl`` trains with trl's SFTTrainer instead.
 """
 
 import argparse
@@ -23,6 +24,8 @@ import sys
 import torch
 import transformers
 from transformers.trainer_utils import get_last_checkpoint
+
+torch.set_num_threads(1)  # one thread: the same kernels' reduction order in every run, whatever else runs
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -78,15 +81,31 @@ settings = dict(output_dir=a.out, per_device_train_batch_size=4, max_steps=a.max
                 save_total_limit=a.save_total_limit, logging_steps=1, report_to="none", disable_tqdm=True,
                 use_cpu=True, seed=1, learning_rate=3e-3, fp16=a.precision == "fp16", bf16=a.precision == "bf16")
 if a.trl:
+    import datasets
     import trl
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    args = trl.SFTConfig(**settings, dataset_text_field=None, max_length=SEQ)
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Rows(), callbacks=[Faults()])
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))  # byte-level BPE trained here on the same source
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator([text.decode()], trainers.BpeTrainer(vocab_size=256, special_tokens=["<pad>", "<eos>", "<unk>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>",
+                                               unk_token="<unk>")
+    model.config.pad_token_id, model.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    lines = [line for line in text.decode().splitlines() if len(line) > 20][:64]
+    args = trl.SFTConfig(**settings, max_length=SEQ)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": lines}),
+                             processing_class=tok, callbacks=[Faults()])
 else:
     args = transformers.TrainingArguments(**settings)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[Faults()])
 last = get_last_checkpoint(a.out) if os.path.isdir(a.out) else None
-trainer.train(resume_from_checkpoint=last)
+try:
+    trainer.train(resume_from_checkpoint=last)
+except SystemExit as e:  # a preempted run: which status, at which step, on this rank
+    with open(os.path.join(a.out, f"exit-{rank}.json"), "w") as f:
+        json.dump({"code": e.code, "step": trainer.state.global_step}, f)
+    raise
 result = {"resumed_from": last, "losses": [[r["step"], r["loss"]] for r in trainer.state.log_history if "loss" in r],
           "weights": {k: v.float().reshape(-1).tolist() for k, v in trainer.model.state_dict().items()}}
 with open(os.path.join(a.out, f"result-{rank}.json"), "w") as f:
