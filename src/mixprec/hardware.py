@@ -116,7 +116,7 @@ def _cpu_capability() -> DeviceCapability:
         # are in benchmarks/RESULTS.md ("Figures moved out of docstrings").
         reasons["fp16-mixed"] = impractical["fp16-mixed"] = (
             "this CPU has neither AMX-FP16 nor AVX512-FP16, so fp16 matrix products fall back to a generic "
-            "kernel that runs 40-200x slower than fp32; use bf16-mixed")
+            "kernel that runs 40-200x slower than fp32")  # what to use instead is choose_auto's to say
     _float8_support(support, reasons, impractical, None)
     return DeviceCapability(device="cpu", name=_cpu_name(), flags=flags, support=support, reasons=reasons,
                             impractical=impractical)

@@ -49,6 +49,26 @@ def test_the_processes_accelerate_launch_starts_train_on_mixprec_too(tmp_path):
     assert trained(proc) == [["mixprec.accelerator.accelerator", "bf16", "True"]]
 
 
+def test_the_programs_warnings_are_shown_as_python_shows_them_and_only_mixprecs_as_mixprecs(tmp_path):
+    script = tmp_path / "warns.py"
+    script.write_text("import warnings\nimport mixprec\n"
+                      "warnings.warn('x', FutureWarning)\n"
+                      "warnings.warn('y', mixprec.PrecisionPerformanceWarning)\n")
+    for proc in (mixprec_run(str(script)), mixprec_run("-m", "warns", env={"PYTHONPATH": str(tmp_path)})):
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"{script}:3: FutureWarning: x" in proc.stderr and "mixprec: warning: x" not in proc.stderr
+        assert "mixprec: warning: y" in proc.stderr
+
+
+def test_a_run_says_each_precision_warning_once(tmp_path):
+    from mixprec.hardware import detect_capability
+
+    proc = mixprec_run("--precision", "fp16", str(SCRIPT), str(tmp_path))
+    assert trained(proc) == [["mixprec.accelerator.accelerator", "fp16", "True"]]
+    emulated = not detect_capability("cpu").is_native("fp16-mixed")
+    assert proc.stderr.count("fp16-mixed on cpu works but will be slow") == emulated
+
+
 def test_a_python_process_that_never_trains_imports_nothing_of_it():
     proc = mixprec_run(sys.executable, "-c", "import sys; print('LOADED', 'torch' in sys.modules, 'mixprec' in sys.modules)")
     assert proc.returncode == 0, proc.stderr[-2000:]

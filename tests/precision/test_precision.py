@@ -137,14 +137,58 @@ def test_emulated_precision_warns_naming_the_missing_instruction_set(monkeypatch
         assert resolve_precision("bf16", "cpu").name == "bf16-mixed"
 
 
-def test_emulation_warning_is_shown_once_per_call_site(monkeypatch):
+def flags_of(**present):
+    """A CPU's flags: those named present, every other absent."""
+    return {f: present.get(f, False) for f in hardware._CPU_FLAGS}
+
+
+@pytest.mark.parametrize("present, fastest", [
+    (dict(avx2=True), "fp32"),                                                  # an AVX2-only CPU: bf16 is emulated too
+    (dict(avx2=True, avx512_f=True, avx512_bf16=True), "bf16-mixed"),           # native bf16 (an AMD EPYC, say)
+], ids=["avx2-only", "native-bf16"])
+def test_the_emulation_warning_advises_the_fastest_choice_on_the_cpu_at_hand(monkeypatch, present, fastest):
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: flags_of(**present))
+    fake = hardware._cpu_capability()
+    monkeypatch.setattr("mixprec.precision.names.detect_capability", lambda device=None: fake)
+    with pytest.warns(PrecisionPerformanceWarning) as seen:
+        resolve_precision("fp16", "cpu")
+    text = str(seen[0].message)
+    assert f"Use {fastest}, the fastest choice on cpu" in text and "40-200x slower than fp32" in text
+    assert text.count("bf16-mixed") == (fastest == "bf16-mixed")  # never advised where it is emulated
+
+
+def test_the_emulation_warning_is_said_once_per_process_whatever_the_call_site_or_filter_resets(monkeypatch):
+    from mixprec import Accelerator
+    from mixprec.precision import names
+
+    monkeypatch.setattr(names, "_SAID", set())  # as a fresh process starts
     fake = cap("cpu", fp16_mixed="emulated")
     monkeypatch.setattr("mixprec.precision.names.detect_capability", lambda device=None: fake)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")
-        for _ in range(3):
+        for _ in range(2):
             resolve_precision("fp16", "cpu")
+            Accelerator(cpu=True, mixed_precision="fp16")
+            warnings.resetwarnings()  # what transformers and pytest do between two Accelerators
+            warnings.simplefilter("default")
     assert len([w for w in seen if issubclass(w.category, PrecisionPerformanceWarning)]) == 1
+
+
+def test_an_ignored_emulation_warning_is_still_said_later_and_always_means_always(monkeypatch):
+    from mixprec.precision import names
+
+    monkeypatch.setattr(names, "_SAID", set())
+    fake = cap("cpu", fp16_mixed="emulated")
+    monkeypatch.setattr("mixprec.precision.names.detect_capability", lambda device=None: fake)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("ignore", PrecisionPerformanceWarning)
+        resolve_precision("fp16", "cpu")  # a tool that says it itself
+        warnings.simplefilter("default")
+        resolve_precision("fp16", "cpu")
+        resolve_precision("fp16", "cpu")
+        warnings.simplefilter("always")
+        resolve_precision("fp16", "cpu")
+    assert len([w for w in seen if issubclass(w.category, PrecisionPerformanceWarning)]) == 2
 
 
 def test_unsupported_precision_is_an_error(monkeypatch):
@@ -167,7 +211,7 @@ def test_cpu_without_any_fp16_matrix_kernel_calls_fp16_impractical_but_avx512_fp
     flags = {f: False for f in hardware._CPU_FLAGS}
     monkeypatch.setattr(hardware, "_cpu_flags", lambda: flags)
     bare = hardware._cpu_capability()
-    assert "40-200x slower than fp32" in bare.impractical["fp16-mixed"] and "use bf16-mixed" in bare.reasons["fp16-mixed"]
+    assert "40-200x slower than fp32" in bare.impractical["fp16-mixed"] and "bf16" not in bare.reasons["fp16-mixed"]
     flags["avx512_fp16"] = True
     fp16_vectors = hardware._cpu_capability()
     assert fp16_vectors.support["fp16-mixed"] == "emulated" and "fp16-mixed" not in fp16_vectors.impractical

@@ -168,6 +168,36 @@ def test_skipped_steps_are_logged_and_said_aloud(tmp_path, switch, caplog):
     assert any("skipped since the last log" in r.getMessage() for r in caplog.records)
 
 
+class EmbeddingLossTrainer(transformers.Trainer):
+    """A subclass that names its loss as setfit's (and sentence-transformers') trainers do: its
+    ``log`` renames ``loss`` to ``embedding_loss`` (and ``eval_loss`` to ``eval_embedding_loss``)
+    before transformers' ``log`` hands the dict to the callbacks."""
+
+    def log(self, logs, *args, **kwargs):
+        renamed = {k.replace("loss", "embedding_loss") if k in ("loss", "eval_loss") else k: v for k, v in logs.items()}
+        super().log(renamed, *args, **kwargs)
+
+
+def test_a_subclass_that_renames_its_loss_gets_the_audit_in_its_training_logs_only(tmp_path, switch, caplog):
+    switch(loss_scaler={"init_scale": 2.0 ** 40})  # the first fp16 steps overflow and are skipped
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), num_train_epochs=1, per_device_train_batch_size=4,
+                                          logging_steps=1, report_to="none", disable_tqdm=True, use_cpu=True, seed=3,
+                                          fp16=True, save_strategy="no", eval_strategy="epoch")
+    torch.manual_seed(0)
+    trainer = EmbeddingLossTrainer(model=SineRegressor(), args=args, train_dataset=SineRows(), eval_dataset=SineRows())
+    with caplog.at_level(logging.WARNING, logger="mixprec.trainer"):
+        trainer.train()
+    history = trainer.state.log_history
+    training = [row for row in history if "embedding_loss" in row]
+    assert len(training) == 10 and "precision_in_force" in training[0] and "fp16-mixed" in training[0]["precision_in_force"]
+    assert all("loss_scale" in row and "skipped_steps" in row for row in training)
+    assert training[-1]["skipped_steps"] == trainer.accelerator.scaler.skipped_steps >= 1
+    assert any("skipped since the last log" in r.getMessage() for r in caplog.records)
+    others = [row for row in history if "embedding_loss" not in row]  # the evaluation's and train()'s summary
+    assert any("eval_embedding_loss" in row for row in others) and any("train_runtime" in row for row in others)
+    assert not any("loss_scale" in row or "precision_in_force" in row for row in others)
+
+
 def test_a_collapsing_loss_scale_falls_back_when_asked_and_the_log_says_so(tmp_path, switch):
     class Exploding(SineRegressor):
         def forward(self, x, labels=None):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -29,17 +30,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    # On the command line a warning is a sentence for the user, not a source location.
-    print(f"mixprec: warning: {message}", file=file or sys.stderr)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the mixprec package's folder
+
+
+def _is_mixprec_warning(category: type[Warning], filename: str) -> bool:
+    """Whether a warning is mixprec's own: of one of mixprec's categories, or raised in its code."""
+    if (category.__module__ or "").split(".")[0] == "mixprec":
+        return True
+    return os.path.abspath(filename or "").startswith(_PACKAGE + os.sep)
 
 
 @contextlib.contextmanager
 def _warnings_as_sentences() -> Iterator[None]:
-    """Show warnings as ``mixprec: warning: ...`` while the command runs, and put back the
-    process's own ``warnings.showwarning`` after it (``main`` may be called from a program)."""
+    """Show mixprec's own warnings as ``mixprec: warning: ...`` while the command runs, every other
+    warning (the user's program's, transformers'...) as the process showed it before (Python's
+    ``path:line: Category: message``), and put back ``warnings.showwarning`` after it (``main``
+    may be called from a program)."""
     previous = warnings.showwarning
-    warnings.showwarning = _show_warning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if not _is_mixprec_warning(category, filename):  # the program's own: its category and source line kept
+            previous(message, category, filename, lineno, file, line)
+            return
+        # On the command line mixprec's warning is a sentence for the user, not a source location.
+        print(f"mixprec: warning: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = show
     try:
         yield
     finally:
@@ -49,8 +65,9 @@ def _warnings_as_sentences() -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``mixprec`` command line; returns the exit code.
 
-    While it runs, warnings print as one ``mixprec: warning: ...`` line on stderr; the process's
-    ``warnings.showwarning`` is restored when it returns or raises.
+    While it runs, mixprec's own warnings print as one ``mixprec: warning: ...`` line on stderr and
+    every other one as Python prints it; the process's ``warnings.showwarning`` is restored when it
+    returns or raises.
     """
     with _warnings_as_sentences():
         return _run(argv)

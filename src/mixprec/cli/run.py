@@ -10,11 +10,12 @@ import runpy
 import shutil
 import subprocess
 import sys
+import warnings
 from importlib import metadata
 from pathlib import Path
 
 from mixprec.cli.engine_boot import sitecustomize as boot
-from mixprec.precision import precision_names, resolve_precision
+from mixprec.precision import PrecisionPerformanceWarning, precision_names, resolve_precision
 
 EXAMPLES = """Examples:
   mixprec run train.py --output_dir out                  # a script that trains with transformers' Trainer
@@ -77,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     precision = None
     if args.precision is not None:
         try:
-            precision = resolve_precision(args.precision).name if args.precision != "auto" else "auto"
+            with warnings.catch_warnings():  # checked here, said where it trains (a child process, for a launcher)
+                warnings.simplefilter("ignore", PrecisionPerformanceWarning)
+                precision = resolve_precision(args.precision).name if args.precision != "auto" else "auto"
         except ValueError as e:
             print(f"mixprec run: {e}", file=sys.stderr)
             return 2

@@ -214,6 +214,22 @@ def _callback_class() -> type:
 _callback: type | None = None
 
 
+#: The keys ``speed_metrics`` adds after a prefix (``eval_runtime``, ``test_samples_per_second``,
+#: ``train_runtime``...): an evaluation's metrics, whatever their ``metric_key_prefix``, or the summary
+#: of a finished ``train()``.
+_SPEED_KEYS = ("_runtime", "_samples_per_second", "_steps_per_second")
+
+
+def _is_training_log(logs: dict[str, Any]) -> bool:
+    """Whether ``logs`` is a training log (what ``_maybe_log_save_evaluate`` logs every
+    ``logging_steps``), whatever a subclass calls its loss: transformers' ``loss``, setfit's and
+    sentence-transformers' ``embedding_loss``, any ``*_loss``; not an evaluation's metrics
+    (``eval_``/``test_`` or any prefix with its speed metrics) nor the summary of ``train()``."""
+    if "total_flos" in logs or any(k.startswith(("eval_", "test_")) or k.endswith(_SPEED_KEYS) for k in logs):
+        return False
+    return any(k == "loss" or k.endswith("_loss") for k in logs)
+
+
 class _PrecisionLog:
     """Puts into the logs of a transformers Trainer switched to mixprec what mixprec's Trainer logs:
     ``precision_in_force`` in the first training log; ``loss_scale`` and ``skipped_steps`` where a
@@ -233,7 +249,7 @@ class _PrecisionLog:
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         acc = self._accelerator
-        if acc is None or logs is None or "loss" not in logs:  # training logs only
+        if acc is None or logs is None or not _is_training_log(logs):
             return
         extra = acc.precision.log_values()  # the loss scale and skips, where a scaler runs (syncs)
         if not self._reported:

@@ -9,6 +9,7 @@ Adding a precision is one row here, one plugin file and one entry in the registr
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -183,8 +184,9 @@ def resolve_precision(name: str | PrecisionPolicy, device: str | torch.device | 
 
     ``"auto"`` picks the fastest safe precision the device offers and records why in
     ``policy.reason``. A precision that works but is emulated on ``device`` (bf16 without native
-    support, fp16 on a CPU without AMX-FP16) warns once with a
-    :class:`PrecisionPerformanceWarning` that names the missing instruction set or capability.
+    support, fp16 on a CPU without AMX-FP16) warns once per process with a
+    :class:`PrecisionPerformanceWarning` that names the missing instruction set or capability and
+    the fastest choice on ``device`` (what ``"auto"`` picks there).
 
     Args:
         name: a canonical name or alias (see the table in the README), or a policy (returned as is).
@@ -214,15 +216,43 @@ def resolve_precision(name: str | PrecisionPolicy, device: str | torch.device | 
             "Use 'fp32', or 'auto' to pick the fastest precision this device offers."
         )
     if support == "emulated":
-        # The warnings machinery shows a given message once per call site, which is the
-        # "warn once" we want without a global registry of our own.
-        warnings.warn(
-            f"{canon} on {cap.device} works but will be slow: {cap.reasons.get(canon, 'it is emulated here')}. "
-            "Use precision='auto' for the fastest choice on this device.",
-            PrecisionPerformanceWarning,
-            stacklevel=2,
-        )
+        best, why = choose_auto(cap)  # the advice is the fastest choice on this device, never a fixed name
+        _warn_once(f"{canon} on {cap.device} works but will be slow: {cap.reasons.get(canon, 'it is emulated here')}. "
+                   f"Use {best}, the fastest choice on {cap.device} (what precision='auto' picks): {why}.",
+                   PrecisionPerformanceWarning, sys._getframe(1).f_globals.get("__name__", ""))
     return policy_for(canon, requested=requested, reason=reason)
+
+
+#: The texts of the performance warnings already said in this process. The warnings module's own
+#: "once" is per call site and per module registry, and forgets whenever the filters change
+#: (transformers and pytest change them); one run resolves its precision in several places
+#: (``mixprec run``, the switch, each Accelerator built), and would say the same thing each time.
+_SAID: set[str] = set()
+
+
+def _warn_once(message: str, category: type[Warning], module: str) -> None:
+    """Warn ``message`` the first time this process resolves to it, as shown to the caller of
+    :func:`resolve_precision` (``module``). Filters still have their say: where they ``ignore`` it,
+    it is not counted as said; where they say ``always`` (``pytest.warns`` does) or ``error``, it is
+    warned every time."""
+    action = _filter_action(message, category, module)
+    if action == "ignore":
+        return
+    if action not in ("always", "error"):
+        if message in _SAID:
+            return
+        _SAID.add(message)
+    warnings.warn(message, category, stacklevel=3)
+
+
+def _filter_action(message: str, category: type[Warning], module: str) -> str:
+    """The action the warning filters in force (``warnings.filters``, first match wins) give a
+    warning, as ``warnings.warn`` finds it; filters for one line number are left to it."""
+    for action, text, cat, mod, lineno in warnings.filters:
+        if (lineno == 0 and issubclass(category, cat) and (text is None or text.match(message))
+                and (mod is None or mod.match(module))):
+            return action
+    return warnings.defaultaction
 
 
 def policy_for(name: str, *, requested: str = "", reason: str = "") -> PrecisionPolicy:
