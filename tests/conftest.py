@@ -12,6 +12,8 @@ holds what pytest itself must see.
   whose reference is missing is skipped, except where ``MIXPREC_REQUIRE_REFERENCES=1`` (``.ci/run``
   sets it), where a missing one is an error that names it and the fix: the run stops before its
   first test, and a skip for a missing part of one (``torchao.float8``) is a failure.
+* Under pytest-xdist (``-n auto``, in ``pyproject.toml``'s addopts) each worker takes its share
+  of the cores for torch's intra-op threads.
 * ``one_thread``: torch's intra-op threads limited to 1 for the test, restored after (many
   small steps, where a second thread only adds waiting on a shared machine).
 * After each test, Accelerate's process-wide state (``PartialState``, ``AcceleratorState``), which
@@ -32,6 +34,12 @@ import pytest
 import torch
 
 import toys
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each worker of ``-n N`` gets its share of the cores for torch's intra-op threads, so that N
+    # workers do not each start a thread per core and wait on each other.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -47,7 +47,7 @@ def test_the_dev_extra_installs_every_reference_package_and_ci_requires_them():
 
 
 def _pytest(folder: Path, hide: str, required: bool) -> subprocess.CompletedProcess:
-    """pytest run on ``folder`` (this conftest and a test) in a fresh interpreter where ``hide``
+    """pytest run on ``folder`` (this conftest, the toys it imports, and a test) in a fresh interpreter where ``hide``
     cannot be imported (``importlib.util.find_spec`` says it is not there)."""
     run = f"import sys; sys.modules[{hide!r}] = None; import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider']))"
     env = {k: v for k, v in os.environ.items() if k != REQUIRE} | ({REQUIRE: "1"} if required else {})
@@ -57,7 +57,8 @@ def _pytest(folder: Path, hide: str, required: bool) -> subprocess.CompletedProc
 
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
-    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    for shared in ("conftest.py", "toys.py"):  # the conftest imports toys
+        shutil.copy(Path(__file__).with_name(shared), tmp_path / shared)
     (tmp_path / "test_needs.py").write_text(
         "import pytest\n\n\n"
         "def test_needs_schedulefree():\n    pytest.importorskip('schedulefree')\n\n\n"
