@@ -35,7 +35,6 @@ import torch
 
 import toys
 
-
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Each worker of ``-n N`` gets its share of the cores for torch's intra-op threads, so that N
     # workers do not each start a thread per core and wait on each other.
