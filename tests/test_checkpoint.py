@@ -264,3 +264,27 @@ def test_numbered_checkpoints_are_the_complete_ones_in_step_order_and_rotation_c
     assert [p.name for p in numbered_checkpoints(tmp_path, "checkpoint-")] == ["checkpoint-10", "checkpoint-100"]
     said = [r.getMessage() for r in caplog.records if "deleting" in r.getMessage()]
     assert len(said) == 1 and "checkpoint-9 (a limit of 2 checkpoints)" in said[0], said
+
+
+def test_a_deletion_killed_midway_leaves_no_half_deleted_checkpoint_and_the_next_rotation_clears_it(tmp_path,
+                                                                                                    monkeypatch):
+    for n in (1, 2, 3):
+        _write(tmp_path / f"checkpoint-{n}", {"a.bin": b"x", "b.bin": b"y"})
+    import mixprec.checkpoint.folder as folder
+
+    def killed(path, ignore_errors=False):  # the process dies after removing one file of the folder
+        next(Path(path).glob("*.bin")).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(folder.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        rotate_checkpoints(tmp_path, "checkpoint-", 2)
+    monkeypatch.undo()
+    # checkpoint-1 is whole or gone: gone from its name, its remains hidden under .checkpoint-1.old-<id>
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    for name in ("checkpoint-2", "checkpoint-3"):
+        verify_checkpoint(tmp_path / name)
+    (left,) = tmp_path.glob(".checkpoint-1.old-*")
+    rotate_checkpoints(tmp_path, "checkpoint-", 2)
+    assert not left.exists()
+

@@ -1,5 +1,6 @@
-"""save_total_limit keeps the checkpoints transformers' own rotation keeps: every limit from 1 to
-5, 1 to 7 saves, with no best checkpoint and with the best inside and outside the window."""
+"""save_total_limit keeps the checkpoints transformers' own rotation keeps, under mixprec's Trainer
+and under the switch (transformers' Trainer, mixprec's commit): every limit from 1 to 5, 1 to 7
+saves, with no best checkpoint and with the best inside and outside the window."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mixprec.checkpoint.folder import write_checkpoint
+from mixprec.integrations.engine_checkpoints import _rotate
 from mixprec.trainer.checkpoints import rotate_checkpoints_of
 
 trainer_utils = pytest.importorskip("transformers.trainer_utils")
@@ -30,20 +32,23 @@ def _kept(root: Path) -> list[int]:
 @pytest.mark.parametrize("limit", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("metrics", list(METRICS))
 def test_save_total_limit_keeps_what_transformers_keeps(limit, metrics, tmp_path):
-    theirs, ours = tmp_path / "transformers", tmp_path / "mixprec"
+    theirs, ours, engine = tmp_path / "transformers", tmp_path / "mixprec", tmp_path / "engine"
     theirs.mkdir()
     values = METRICS[metrics]
     for saves in range(1, 8):
         step = 10 * saves
         (theirs / f"checkpoint-{step}").mkdir()
-        write_checkpoint(ours / f"checkpoint-{step}", {"w.bin": lambda p: p.write_bytes(b"w")})
+        for root in (ours, engine):
+            write_checkpoint(root / f"checkpoint-{step}", {"w.bin": lambda p: p.write_bytes(b"w")})
         best = None
         if values is not None:
             best_step = 10 * (min(range(saves), key=lambda i: values[i]) + 1)
             best = f"checkpoint-{best_step}"
         trainer_utils.rotate_checkpoints(str(theirs), limit, str(theirs / best) if best else None)
         rotate_checkpoints_of(ours, limit, str(ours / best) if best else None)
-        assert _kept(ours) == _kept(theirs), (limit, metrics, saves)
+        _rotate(str(engine), limit, str(engine / best) if best else None)
+        assert _kept(ours) == _kept(theirs) == _kept(engine), (limit, metrics, saves)
+        assert not [p for p in engine.iterdir() if p.name.startswith(".")]  # each retired folder removed
         # Nothing is deleted while fewer checkpoints than the limit exist (the bug: a limit of 3
         # kept only the newest from the second save on).
         assert len(_kept(ours)) >= min(saves, limit)

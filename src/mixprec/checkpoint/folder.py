@@ -241,8 +241,7 @@ def rotate_checkpoints(root: str | os.PathLike, stem: str, limit: int | None, ke
     removed. Call it after a save completed, so the newest complete checkpoint is never deleted
     (a ``limit`` below 1 keeps that one alone)."""
     root = Path(root)
-    for stale in root.glob(f".{stem}*.tmp-*") if root.is_dir() else ():
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_stale(root, stem)
     if limit is None:
         return
     order = numbered_checkpoints(root, stem)
@@ -255,8 +254,32 @@ def rotate_checkpoints(root: str | os.PathLike, stem: str, limit: int | None, ke
             break
         if old not in protected:
             log.info("mixprec: deleting %s (a limit of %d checkpoints)", old, limit)
-            shutil.rmtree(old, ignore_errors=True)
+            retire_checkpoint(old)
             remaining -= 1
+
+
+def retire_checkpoint(path: str | os.PathLike) -> None:
+    """Delete a checkpoint folder so that it is whole or gone at every moment: it is first renamed
+    out of its name (atomic), then removed; a kill during the removal leaves a hidden
+    ``.<name>.old-<id>`` folder (which :func:`remove_stale` deletes), never a half-deleted folder
+    under a checkpoint's name that still holds its manifest. A folder already gone is no error
+    (another process on a shared filesystem retired it)."""
+    path = Path(path)
+    gone = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    try:
+        os.replace(path, gone)
+    except FileNotFoundError:
+        return
+    _fsync_dir(path.parent)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def remove_stale(root: str | os.PathLike, stem: str) -> None:
+    """Remove what interrupted saves and deletions of ``<stem><n>`` checkpoints left in ``root``:
+    their staging folders (``.<stem><n>.tmp-<id>``) and retired folders (``.<stem><n>.old-<id>``)."""
+    root = Path(root)
+    for stale in (*root.glob(f".{stem}*.tmp-*"), *root.glob(f".{stem}*.old-*")) if root.is_dir() else ():
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def verify_checkpoint(path: str | os.PathLike, skip: Collection[str] = ()) -> dict[str, Any]:

@@ -15,7 +15,8 @@ attributes that call the Trainer's own methods:
   checkpoint there, so it deletes nothing). Every rank's verdict is then gathered; on each
   filesystem one rank (the lowest that sees the staging folder) fsyncs and hashes the files,
   writes mixprec's manifest and renames the folder to ``checkpoint-N``; a second gather tells
-  every rank it is committed; only then does transformers' own ``rotate_checkpoints`` run.
+  every rank it is committed; only then does transformers' rotation rule run, each old folder
+  renamed out of its name before it is deleted.
 - ``_load_from_checkpoint``: the folder's manifest is verified (sizes and sha256) on every rank
   first; a changed, truncated or missing file is a :class:`~mixprec.CheckpointError` naming it.
   A folder without a manifest (stock transformers wrote it) loads as transformers loads it,
@@ -44,6 +45,8 @@ from mixprec.checkpoint.folder import (
     commit_checkpoint,
     numbered_checkpoints,
     raise_first_problem,
+    remove_stale,
+    retire_checkpoint,
     verify_checkpoint,
 )
 from mixprec.checkpoint.integrity import sync_and_hash
@@ -220,13 +223,9 @@ class EngineCheckpoints:
         if failed:
             self._raise(error or mine, failed, final)
         if committer:
-            for stale in Path(run_dir).glob(f".{STEM}*.tmp-*"):  # what killed saves left
-                shutil.rmtree(stale, ignore_errors=True)
+            remove_stale(run_dir, STEM)  # what killed saves and deletions left
         if trainer.args.should_save:
-            import transformers.trainer as hf_trainer
-
-            hf_trainer.rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
-                                          best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+            _rotate(run_dir, trainer.args.save_total_limit, trainer.state.best_model_checkpoint)
 
     def _best_out_of_staging(self, stage: str, run_dir: str, folder: Path) -> None:
         """transformers named the best checkpoint inside the staging folder: name it where it is
@@ -288,6 +287,29 @@ class EngineCheckpoints:
                             self.trainer.args.output_dir, PREEMPTED_EXIT_CODE)
             raise SystemExit(PREEMPTED_EXIT_CODE)
         return result
+
+
+def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:
+    """transformers' rotation after the commit: its order (``sort_checkpoints`` by mtime, as its
+    ``_save_checkpoint`` asks) and its rule (the newest and the best are kept, the oldest of the
+    others go until ``limit`` remain), each deletion atomic (:func:`retire_checkpoint`), where
+    transformers' ``rmtree`` of a checkpoint killed midway leaves a half-deleted folder under its
+    name."""
+    if limit is None or limit <= 0:
+        return
+    from transformers.trainer_utils import sort_checkpoints
+
+    order = sort_checkpoints(run_dir, STEM.rstrip("-"), use_mtime=True)
+    if not order:
+        return
+    protected = {order[-1]} | ({str(Path(best))} if best is not None else set())
+    remaining = len(order)
+    for old in order:
+        if remaining <= max(limit, len(protected)):
+            break
+        if old not in protected:
+            retire_checkpoint(old)
+            remaining -= 1
 
 
 def _preemption_callback(seam: EngineCheckpoints, preemption: Preemption) -> Any:
