@@ -288,3 +288,37 @@ def test_a_deletion_killed_midway_leaves_no_half_deleted_checkpoint_and_the_next
     rotate_checkpoints(tmp_path, "checkpoint-", 2)
     assert not left.exists()
 
+
+
+def test_a_file_another_writer_wrote_is_hashed_in_pieces_and_a_changed_piece_fails_naming_the_file(tmp_path,
+                                                                                                     monkeypatch):
+    import hashlib
+
+    import mixprec.checkpoint.integrity as integrity
+    from mixprec.checkpoint.folder import commit_checkpoint
+
+    monkeypatch.setattr(integrity, "PIECE", 1 << 16)  # 64 KiB pieces, so that a small file has several
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    big = os.urandom(5 * (1 << 16) + 123)  # five whole pieces and a short last one
+    (stage / "optimizer.pt").write_bytes(big)
+    (stage / "trainer_state.json").write_text("{}")
+    final = commit_checkpoint(stage, tmp_path / "checkpoint-2", written=integrity.sync_and_hash(stage))
+    rows = read_manifest(final)["files"]
+    assert rows["trainer_state.json"] == {"size": 2, "sha256": hashlib.sha256(b"{}").hexdigest()}
+    assert rows["optimizer.pt"] == {"size": len(big), "piece": 1 << 16, "sha256_pieces": [
+        hashlib.sha256(big[i:i + (1 << 16)]).hexdigest() for i in range(0, len(big), 1 << 16)]}
+    assert len(rows["optimizer.pt"]["sha256_pieces"]) == 6
+    verify_checkpoint(final)
+
+    damaged = bytearray(big)
+    damaged[3 * (1 << 16) + 7] ^= 1  # one bit of the fourth piece
+    (final / "optimizer.pt").write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointError, match=r"the sha256 of .*optimizer\.pt is not the one in the manifest"):
+        verify_checkpoint(final)
+
+    manifest = json.loads((final / "manifest.json").read_text())
+    manifest["files"]["optimizer.pt"]["sha256_pieces"].pop()  # a row that cannot cover the file
+    (final / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"the row of optimizer\.pt has no valid 'piece' and 'sha256_pieces'"):
+        read_manifest(final)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mixprec.checkpoint.integrity import hash_in_background, sha256_file
+from mixprec.checkpoint.integrity import hash_like, sha256_file
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointReader", "checkpoint_problem", "commit_checkpoint",
            "is_complete_checkpoint", "load_tensor_file", "numbered_checkpoints", "raise_first_problem", "read_manifest",
@@ -93,7 +93,7 @@ def commit_checkpoint(tmp: Path, final: str | os.PathLike, meta: dict[str, Any] 
             with open(path, "rb") as fh:
                 os.fsync(fh.fileno())
             entry = {"size": st.st_size, "sha256": sha256_file(path)}
-        files[rel] = {"size": entry["size"], "sha256": entry["sha256"]}
+        files[rel] = {key: entry[key] for key in ROW_KEYS if key in entry}
     manifest = {"format": FORMAT, "files": files, "meta": meta or {}}
     with open(tmp / MANIFEST, "w") as fh:
         json.dump(manifest, fh, indent=1, sort_keys=True)
@@ -135,6 +135,12 @@ def write_checkpoint(final: str | os.PathLike, writers: dict[str, Callable[[Path
 
 _FIX = "load an earlier checkpoint instead, or restore this folder from a copy"
 _HEX = re.compile(r"[0-9a-f]{64}")
+#: A manifest row: the file's size, and its sha256, or the sha256 of each ``piece`` bytes of it.
+ROW_KEYS = ("size", "sha256", "piece", "sha256_pieces")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
@@ -178,9 +184,14 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         if not isinstance(entry, dict):
             raise bad(f"the row of {rel} is not an object")
         size, digest = entry.get("size"), entry.get("sha256")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        if not _count(size):
             raise bad(f"the row of {rel} has no valid 'size' (got {size!r})")
-        if not isinstance(digest, str) or not _HEX.fullmatch(digest):
+        if "sha256_pieces" in entry:  # a large file hashed in pieces (sync_and_hash)
+            piece, pieces = entry.get("piece"), entry["sha256_pieces"]
+            if not _count(piece) or not piece or not isinstance(pieces, list) or len(pieces) != -(-size // piece) \
+                    or not all(isinstance(d, str) and _HEX.fullmatch(d) for d in pieces):
+                raise bad(f"the row of {rel} has no valid 'piece' and 'sha256_pieces' (got {piece!r}, {pieces!r})")
+        elif not isinstance(digest, str) or not _HEX.fullmatch(digest):
             raise bad(f"the row of {rel} has no valid 'sha256' (got {digest!r})")
     if not isinstance(manifest.get("meta", {}), dict):
         raise bad("its 'meta' is not an object")
@@ -336,7 +347,7 @@ class CheckpointReader:
                                       f"does not hold what this run needs (another run's checkpoint?); {_FIX}")
             _check_size(self.path, name, self.files[name])
             if name not in self._hashes:
-                self._hashes[name] = hash_in_background(self.path / name)
+                self._hashes[name] = hash_like(self.path / name, self.files[name])
         return self.path / names[0] if names else self.path
 
     def read_bytes(self, rel: str) -> bytes:
@@ -353,7 +364,8 @@ class CheckpointReader:
         """
         bad = []
         for name in list(self._hashes) if names is None else names:
-            if self._hashes[name].result() != self.files[name]["sha256"]:
+            row = self.files[name]
+            if self._hashes[name].result() != row.get("sha256_pieces", row.get("sha256")):
                 bad.append(str(self.path / name))
         if bad:
             raise CheckpointError(f"the sha256 of {', '.join(bad)} is not the one in the manifest: the file was "

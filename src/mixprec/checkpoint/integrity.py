@@ -8,6 +8,11 @@ hash it. :class:`WrittenFiles` keeps what one process wrote into a staging folde
 
 Reading: :func:`hash_in_background` hashes a file on the worker thread while the caller reads
 (and parses) the same file: one pass over the disk, the hash beside it rather than after it.
+
+Files another writer wrote (:func:`sync_and_hash`: transformers' Trainer under the switch) are
+hashed after the fact; one larger than :data:`PIECE` is hashed in pieces of that size, on every
+hashing thread at once (one sha256 stream runs on one core), and its manifest row holds the
+sha256 of each piece (``{"size", "piece", "sha256_pieces"}``) instead of the file's.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from typing import Any
 import safetensors.torch
 import torch
 
-__all__ = ["HashingFile", "WrittenFiles", "hash_in_background", "sha256_file", "sync_and_hash", "write_safetensors"]
+__all__ = ["PIECE", "HashingFile", "WrittenFiles", "hash_in_background", "hash_like", "sha256_file", "sync_and_hash",
+           "write_safetensors"]
 
 # sha256 releases the GIL on large buffers: hashes run beside the writing or reading thread. One
 # worker hashes what is written (a file's writes in order); two hash files being read (one file
@@ -34,18 +40,46 @@ _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixprec-sha256")
 _READ_HASHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mixprec-sha256-read")
 _SYNCER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixprec-fsync")
 _SMALL = 1 << 20  # writes up to this size are copied and hashed without waiting
+#: Files hashed after the fact and larger than this are hashed in pieces of this size, in parallel.
+PIECE = 64 << 20
 _CHUNK = 64 << 20
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """The sha256 of a file, read through a memory map (no copy into Python objects)."""
+def sha256_file(path: str | os.PathLike, start: int = 0, length: int | None = None) -> str:
+    """The sha256 of a file (or of its ``length`` bytes from ``start``, a multiple of
+    ``mmap.ALLOCATIONGRANULARITY``), read through a memory map (no copy into Python objects)."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size:
-            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m, memoryview(m) as view:
+        size = os.fstat(fh.fileno()).st_size
+        length = size - start if length is None else min(length, size - start)
+        if length > 0:
+            with mmap.mmap(fh.fileno(), length, offset=start, access=mmap.ACCESS_READ) as m, memoryview(m) as view:
                 for i in range(0, len(view), _CHUNK):
                     h.update(view[i:i + _CHUNK])
     return h.hexdigest()
+
+
+class _Pieces:
+    """The futures of a file's pieces' hashes, read as one result: the list of their digests."""
+
+    def __init__(self, futures: list[Future[str]]) -> None:
+        self._futures = futures
+
+    def result(self) -> list[str]:
+        return [f.result() for f in self._futures]
+
+
+def _hash_pieces(path: str | os.PathLike, size: int, piece: int) -> _Pieces:
+    return _Pieces([_READ_HASHERS.submit(sha256_file, path, start, piece) for start in range(0, size, piece)])
+
+
+def hash_like(path: str | os.PathLike, row: Mapping[str, Any]) -> Any:
+    """Start hashing ``path`` the way its manifest ``row`` was hashed: whole (``row["sha256"]``)
+    or in pieces (``row["sha256_pieces"]``, each ``row["piece"]`` bytes); ``.result()`` is the
+    value to compare with that field."""
+    if "sha256_pieces" in row:
+        return _hash_pieces(path, row["size"], row["piece"])
+    return hash_in_background(path)
 
 
 def hash_in_background(path: str | os.PathLike) -> Future[str]:
@@ -69,12 +103,14 @@ def sync_and_hash(root: str | os.PathLike) -> dict[str, dict[str, Any]]:
         OSError: a failed fsync or read (a full disk can first show here).
     """
     root = Path(root)
-    files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)
-    syncs = [_SYNCER.submit(_fsync_file, p) for p in files]
-    hashes = {p.relative_to(root).as_posix(): (p.stat().st_size, _READ_HASHERS.submit(sha256_file, p)) for p in files}
+    files = sorted(((p, p.stat().st_size) for p in root.rglob("*") if p.is_file()), key=lambda f: -f[1])
+    syncs = [_SYNCER.submit(_fsync_file, p) for p, _ in files]
+    hashes = {p.relative_to(root).as_posix(): (size, _hash_pieces(p, size, PIECE) if size > PIECE
+                                               else _READ_HASHERS.submit(sha256_file, p)) for p, size in files}
     for s in syncs:
         s.result()
-    return {rel: {"size": size, "sha256": digest.result()} for rel, (size, digest) in hashes.items()}
+    return {rel: {"size": size, "piece": PIECE, "sha256_pieces": digest.result()} if isinstance(digest, _Pieces)
+            else {"size": size, "sha256": digest.result()} for rel, (size, digest) in hashes.items()}
 
 
 class HashingFile:
