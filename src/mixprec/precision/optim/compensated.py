@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -32,9 +33,16 @@ from itertools import chain
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from mixprec.precision.optim import fused_adamw
+
+
+def _is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor, without importing ``torch.distributed.tensor`` (most of a second):
+    where nothing imported it, no tensor can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
 
 __all__ = ["AdamW", "SGD", "make_bf16_optimizer", "bf16_stochastic_round", "COMPENSATIONS", "OPTIMIZER_NAMES",
            "STATE_DTYPE_NAMES"]
@@ -140,7 +148,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
                                          "use torch.optim.SparseAdam for sparse embeddings")
                     buckets.setdefault((p.device, p.dtype), []).append(p)
             for (device, dtype), params in buckets.items():
-                if any(isinstance(p, DTensor) for p in params):
+                if any(_is_dtensor(p) for p in params):
                     with self._on_local_shards(params) as local:
                         self._step_bucket(group, local, device, dtype)
                 else:
@@ -156,6 +164,8 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         and writes through them in place. State created during the step is wrapped back into
         DTensors placed as their parameter is, so ``get_state_dict`` / DCP reshard it.
         """
+        from torch.distributed.tensor import DTensor
+
         local, given = [], []
         for p in params:
             if not isinstance(p, DTensor):
