@@ -59,50 +59,6 @@ def test_seed_trainer_snippet_trains_evaluates_every_epoch_and_logs(tmp_path, mo
     assert trainer.model is model
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-def test_train_killed_mid_epoch_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path, precision):
-    """SIGKILL mid-epoch, SIGKILL mid-save, and SIGTERM (preemption): each resumes bit for bit."""
-    script = SCRIPTS / "resume_trainer.py"
-
-    def run(out, *extra, killed=False, code=0):
-        import subprocess
-
-        p = subprocess.run([sys.executable, str(script), str(out), "--precision", precision, *extra],
-                           capture_output=True, text=True, timeout=300)
-        assert p.returncode == (-9 if killed else code), p.stderr[-3000:]
-        return p
-
-    run(tmp_path / "full")
-    run(tmp_path / "killed", "--kill-at", "17", killed=True)  # 12 steps per epoch: mid second epoch
-    assert sorted(p.name for p in (tmp_path / "killed").glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-15",
-                                                                                   "checkpoint-5"]
-    run(tmp_path / "killed", "--resume")
-    run(tmp_path / "crash", "--kill-in-save", "3", killed=True)  # dies writing checkpoint-15
-    assert not (tmp_path / "crash" / "checkpoint-15").exists()
-    run(tmp_path / "crash", "--resume")  # resumes from checkpoint-10
-    # A preemption: SIGTERM at step 13 finishes the step, saves checkpoint-13, exits with status 75.
-    p = run(tmp_path / "term", "--sigterm-at", "13", code=75)
-    assert "SIGTERM received; stopped after step 13" in p.stderr and (tmp_path / "term" / "checkpoint-13").is_dir()
-    run(tmp_path / "term", "--resume")
-    # Each logged step is in metrics.jsonl once (the killed run had logged step 16 past checkpoint-15),
-    # with the uninterrupted run's values, and log_history agrees.
-    def rows(run):
-        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-
-    def steps(run):
-        return [(r["step"], sorted(k for k in r if k not in ("train_runtime", "train_samples_per_second",
-                                                                 "train_steps_per_second"))) for r in rows(run)]
-    for other in ("killed", "crash", "term"):
-        assert steps(other) == steps("full"), other
-        assert [r.get("loss") for r in rows(other)] == [r.get("loss") for r in rows("full")], other
-    a = safetensors.torch.load_file(str(tmp_path / "full" / "final.safetensors"))
-    for other in ("killed", "crash", "term"):
-        b = safetensors.torch.load_file(str(tmp_path / other / "final.safetensors"))
-        for k in a:
-            assert torch.equal(a[k], b[k]), (other, k)
-
-
 RESUME_SCRIPT = SCRIPTS / "resume_trainer.py"
 
 
@@ -126,34 +82,88 @@ def same_weights(a, b):
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """``get(precision)``: tests/scripts/resume_trainer.py run uninterrupted (``full``) and, in
+    ``faults``, through three faults one after the other, each restart resuming what the fault
+    before it left (made once per precision, for the tests below):
+
+    1. SIGKILL in the middle of the third save (checkpoint-15's files half written);
+    2. resumed from checkpoint-10, SIGTERM at step 13 (a preemption: the step finishes,
+       checkpoint-13 is saved, the exit status is 75);
+    3. resumed from checkpoint-13, SIGKILL at step 17 (12 steps per epoch: mid second epoch),
+       after checkpoint-15 and the log of step 16;
+    4. resumed from checkpoint-15 to the end.
+
+    In fp32 both runs also have two persistent dataloader workers (restarted mid-epoch by each
+    resume) and report to TensorBoard. Returns the two folders and, after each fault, the
+    checkpoints there and the run's stderr."""
+    made = {}
+
+    def get(precision):
+        if precision not in made:
+            root = tmp_path_factory.mktemp(f"faults-{precision}")
+            more = ("--workers", "2", "--report-to", "jsonl,tensorboard") if precision == "fp32" else ()
+            flags = ("--precision", precision, *more)
+
+            def checkpoints():
+                return sorted((p.name for p in (root / "faults").glob("checkpoint-*")), key=lambda n: int(n[11:]))
+
+            resume_script(root / "full", *flags)
+            after = []
+            for fault, code in ((("--kill-in-save", "3"), -9), (("--resume", "--sigterm-at", "13"), 75),
+                                (("--resume", "--kill-at", "17"), -9), (("--resume",), 0)):
+                proc = resume_script(root / "faults", *flags, *fault, code=code)
+                after.append((checkpoints(), proc.stderr))
+            made[precision] = (root / "full", root / "faults", after)
+        return made[precision]
+    return get
+
+
 @pytest.mark.slow
-def test_mid_epoch_resume_with_two_persistent_workers_is_bit_for_bit(tmp_path):
+@pytest.mark.xdist_group("trainer_faults")
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_train_killed_mid_epoch_and_resumed_equals_uninterrupted_bit_for_bit(faults, precision):
+    """SIGKILL mid-save, SIGTERM (preemption) and SIGKILL mid-epoch: each restart resumes what the
+    fault left, and the run ends bit for bit as the uninterrupted one, each step logged once."""
+    full, out, after = faults(precision)
+    assert after[0][0] == ["checkpoint-5", "checkpoint-10"]  # checkpoint-15's save died: no folder of that name
+    assert "SIGTERM received; stopped after step 13" in after[1][1]
+    assert after[1][0] == ["checkpoint-5", "checkpoint-10", "checkpoint-13"]
+    assert after[2][0] == ["checkpoint-5", "checkpoint-10", "checkpoint-13", "checkpoint-15"]
+    # Each logged step is in metrics.jsonl once (the killed runs had logged past their last
+    # checkpoint), with the uninterrupted run's values.
+    def steps(run):
+        return [(r["step"], sorted(k for k in r if k not in ("train_runtime", "train_samples_per_second",
+                                                                 "train_steps_per_second"))) for r in jsonl_rows(run)]
+    assert steps(out) == steps(full)
+    assert [r.get("loss") for r in jsonl_rows(out)] == [r.get("loss") for r in jsonl_rows(full)]
+    assert same_weights(full, out)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("trainer_faults")
+def test_mid_epoch_resume_with_two_persistent_workers_is_bit_for_bit(faults):
     """dataloader_num_workers=2, persistent_workers=True: a SIGKILL in the second epoch, then a resume
     (which starts the workers in that epoch), gives the uninterrupted run's weights and logs."""
-    workers = ("--workers", "2")
-    resume_script(tmp_path / "full", *workers)
-    resume_script(tmp_path / "killed", *workers, "--kill-at", "17", code=-9)  # 12 steps per epoch
-    resume_script(tmp_path / "killed", *workers, "--resume")
-    assert same_weights(tmp_path / "full", tmp_path / "killed")
+    full, out, after = faults("fp32")
+    assert after[2][0][-1] == "checkpoint-15"  # the last resume starts the workers at step 16, mid-epoch
+    assert same_weights(full, out)
     def losses(out):
         return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in jsonl_rows(out)]
-    assert losses(tmp_path / "killed") == losses(tmp_path / "full")
+    assert losses(out) == losses(full)
 
 
 @pytest.mark.slow
-def test_tensorboard_and_log_history_hold_each_step_once_after_sigkill_and_sigterm_resumes(tmp_path):
-    """After a SIGKILL past the last checkpoint (steps 16-17 logged, then replayed) and a SIGTERM, each
+@pytest.mark.xdist_group("trainer_faults")
+def test_tensorboard_and_log_history_hold_each_step_once_after_sigkill_and_sigterm_resumes(faults):
+    """After a SIGKILL past the last checkpoint (steps 16-17 logged, then replayed) and a SIGTERM, the
     resumed run's TensorBoard scalars (as TensorBoard reads them), metrics.jsonl and
     trainer_state.json's log_history hold each step once, with the uninterrupted run's values."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    report = ("--report-to", "jsonl,tensorboard")
-    resume_script(tmp_path / "full", *report)
-    resume_script(tmp_path / "killed", *report, "--kill-at", "17", code=-9)
-    resume_script(tmp_path / "killed", *report, "--resume")
-    resume_script(tmp_path / "term", *report, "--sigterm-at", "13", code=75)
-    resume_script(tmp_path / "term", *report, "--resume")
+    full, out, _ = faults("fp32")
 
     def scalars(out):
         ea = EventAccumulator(str(out / "runs"))  # every events file of the run folder, purges applied
@@ -163,21 +173,19 @@ def test_tensorboard_and_log_history_hold_each_step_once_after_sigkill_and_sigte
     def history(out):
         return json.loads((out / "trainer_state.json").read_text())["log_history"]
 
-    full = scalars(tmp_path / "full")
-    assert [s for s, _ in full["train/loss"]] == [4, 8, 12, 16, 20, 24]
-    for run in ("killed", "term"):
-        out = tmp_path / run
-        got = scalars(out)
-        assert got.keys() == full.keys(), run
-        for tag, points in full.items():
-            if tag.startswith(("train/train_", "eval/runtime", "eval/samples", "eval/steps")):
-                assert [s for s, _ in got[tag]] == [s for s, _ in points], (run, tag)  # timings differ
-            else:
-                assert got[tag] == points, (run, tag)
-        rows, hist = jsonl_rows(out), history(out)
-        assert [r["step"] for r in rows] == [h["step"] for h in hist] == [h["step"] for h in history(tmp_path / "full")]
-        for r, h in zip(rows, hist):
-            assert r == {k: (None if isinstance(v, float) and v != v else v) for k, v in h.items()}, run
+    theirs = scalars(full)
+    assert [s for s, _ in theirs["train/loss"]] == [4, 8, 12, 16, 20, 24]
+    got = scalars(out)
+    assert got.keys() == theirs.keys()
+    for tag, points in theirs.items():
+        if tag.startswith(("train/train_", "eval/runtime", "eval/samples", "eval/steps")):
+            assert [s for s, _ in got[tag]] == [s for s, _ in points], tag  # timings differ
+        else:
+            assert got[tag] == points, tag
+    rows, hist = jsonl_rows(out), history(out)
+    assert [r["step"] for r in rows] == [h["step"] for h in hist] == [h["step"] for h in history(full)]
+    for r, h in zip(rows, hist):
+        assert r == {k: (None if isinstance(v, float) and v != v else v) for k, v in h.items()}
 
 
 class Scripted:
