@@ -11,7 +11,7 @@ every 2 steps. ``--kill-in-save STEP`` SIGKILLs process ``--rank`` (default 0) i
 save at STEP, after the weights are written and before the optimizer's state; ``--sigterm-at
 STEP`` sends it SIGTERM as step STEP begins. A run that ends writes OUT/result-<rank>.json: the
 losses by step and the weights; one that exits with ``SystemExit`` writes OUT/exit-<rank>.json
-(its status and step). ``--trl`` trains with trl's SFTTrainer instead.
+(its status, its step and the checkpoint it resumed from). ``--trl`` trains with trl's SFTTrainer instead.
 """
 
 import argparse
@@ -104,7 +104,7 @@ try:
     trainer.train(resume_from_checkpoint=last)
 except SystemExit as e:  # a preempted run: which status, at which step, on this rank
     with open(os.path.join(a.out, f"exit-{rank}.json"), "w") as f:
-        json.dump({"code": e.code, "step": trainer.state.global_step}, f)
+        json.dump({"code": e.code, "step": trainer.state.global_step, "resumed_from": last}, f)
     raise
 result = {"resumed_from": last, "losses": [[r["step"], r["loss"]] for r in trainer.state.log_history if "loss" in r],
           "weights": {k: v.float().reshape(-1).tolist() for k, v in trainer.model.state_dict().items()}}
