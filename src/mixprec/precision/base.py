@@ -131,6 +131,12 @@ class PrecisionPlugin:
             return self.steps.backward(loss, **kwargs)
         loss.backward(**kwargs)
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The tensor to call ``backward`` on in place of ``loss`` (for a trainer that runs the
+        backward itself, as Lightning calls its module's own): ``loss`` scaled where the precision
+        needs it, else ``loss`` itself. Call it once per backward."""
+        return self.steps.scale_loss(loss) if self.steps is not None else loss
+
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring ``optimizer``'s gradients to their true values, once per iteration."""
         if self.steps is not None:

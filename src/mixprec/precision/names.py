@@ -25,6 +25,7 @@ __all__ = [
     "precision_names",
     "canonical_precision",
     "accelerate_name",
+    "lightning_name",
     "trainer_flags",
     "CANONICAL_PRECISIONS",
 ]
@@ -43,16 +44,17 @@ class _Row:
     needs_loss_scaler: bool
     float8_linears: bool = False
     accelerate: str | None = None  # Hugging Face Accelerate's mixed_precision for it (None: it has none)
+    lightning: str | None = None  # Lightning's precision name for it (None: it has none)
 
 
 _f32, _f16, _b16 = torch.float32, torch.float16, torch.bfloat16
 # canonical name: aliases, compute dtype, parameter dtype, autocast, loss scaler, Linear layers in float8,
-# and Hugging Face Accelerate's name for it (its Trainer's flag for fp16 and bf16).
+# Hugging Face Accelerate's name for it (its Trainer's flag for fp16 and bf16), and Lightning's.
 _TABLE: dict[str, _Row] = {
-    "fp32": _Row(("no", "32", "32-true", "fp32-true"), _f32, _f32, False, False, accelerate="no"),
-    "fp16-mixed": _Row(("fp16", "16", "16-mixed"), _f16, _f32, True, True, accelerate="fp16"),
-    "bf16-mixed": _Row(("bf16",), _b16, _f32, True, False, accelerate="bf16"),
-    "bf16-true": _Row((), _b16, _b16, False, False),
+    "fp32": _Row(("no", "32", "32-true", "fp32-true"), _f32, _f32, False, False, accelerate="no", lightning="32-true"),
+    "fp16-mixed": _Row(("fp16", "16", "16-mixed"), _f16, _f32, True, True, accelerate="fp16", lightning="16-mixed"),
+    "bf16-mixed": _Row(("bf16",), _b16, _f32, True, False, accelerate="bf16", lightning="bf16-mixed"),
+    "bf16-true": _Row((), _b16, _b16, False, False, lightning="bf16-true"),
     "fp8": _Row(("fp8-mixed", "float8"), _b16, _f32, True, False, float8_linears=True, accelerate="fp8"),
 }
 CANONICAL_PRECISIONS = (*_TABLE, "auto")
@@ -69,6 +71,18 @@ def accelerate_name(name: str) -> str | None:
         ('bf16', 'no', None)
     """
     return _TABLE[canonical_precision(name)].accelerate
+
+
+def lightning_name(name: str) -> str | None:
+    """Lightning's precision name for precision ``name`` (``"32-true"``, ``"16-mixed"``,
+    ``"bf16-mixed"``, ``"bf16-true"``: what ``trainer.precision`` reads), or ``None`` where Lightning
+    has none (fp8: its only float8 is Transformer Engine's).
+
+    Example:
+        >>> lightning_name("fp16"), lightning_name("fp8")
+        ('16-mixed', None)
+    """
+    return _TABLE[canonical_precision(name)].lightning
 
 
 def trainer_flags(name: str) -> dict[str, bool]:

@@ -78,11 +78,16 @@ class ScaledSteps:
 
     # -- 1. scale and backward ---------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.scale_loss(loss).backward(**kwargs)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the scale, for a backward that the caller runs (a trainer that calls its
+        model's own ``backward``); everything :meth:`backward` does before it, once per loss."""
         if self._stepped and self._starts_new_iteration(loss):
             self._close_iteration()  # before scaling: the new gradients get the updated scale
         for i in list(self._carried):  # new gradients are about to add to them: same scale first
             self._bring_to_scale(self._optimizers[i])
-        self._scaler.scale(loss).backward(**kwargs)
+        return self._scaler.scale(loss)
 
     def _starts_new_iteration(self, loss: torch.Tensor) -> bool:
         """Whether ``loss`` reaches only optimizers that already stepped since the last update (a
