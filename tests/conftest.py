@@ -13,7 +13,9 @@ holds what pytest itself must see.
   sets it), where a missing one is an error that names it and the fix: the run stops before its
   first test, and a skip for a missing part of one (``torchao.float8``) is a failure.
 * Under pytest-xdist (``-n auto``, in ``pyproject.toml``'s addopts) each worker takes its share
-  of the cores for torch's intra-op threads.
+  of the cores for torch's intra-op threads, and the tests of a module that share a
+  module-scoped fixture (a costly run made once) go to one worker (an ``xdist_group`` named by
+  the module), so that it is made once.
 * ``one_thread``: torch's intra-op threads limited to 1 for the test, restored after (many
   small steps, where a second thread only adds waiting on a shared machine).
 * After each test, Accelerate's process-wide state (``PartialState``, ``AcceleratorState``), which
@@ -41,7 +43,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:  # the tests of a module sharing a module-scoped fixture run on one worker
+        if not any(item.iter_markers("xdist_group")) and _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if "soak" not in (config.option.markexpr or ""):
         soak = pytest.mark.skip(reason="a soak run (marked soak): select it with -m soak")
         for item in items:
@@ -53,6 +59,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` takes a fixture made once per module (under xdist, once per worker that
+    runs one of its tests: twice, where two workers share them)."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(d.scope == "module" for name in item.fixturenames
+                                    for d in info.name2fixturedefs.get(name, ()))
 
 
 #: The packages the differential tests compare against: a test whose reference is missing skips, or,
