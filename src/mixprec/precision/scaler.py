@@ -167,6 +167,13 @@ class LossScaler(GradScaler):
             return torch.full((), self._init_scale, dtype=torch.float32, device=self._device)
         return self._scale
 
+    def skipped_steps_tensor(self) -> torch.Tensor:
+        """:attr:`skipped_steps` as a 0-dim device tensor (int64), for a log that reads it later. No sync."""
+        if self._skipped is None:
+            return torch.full((), self._pending_counters.get("skipped_steps", 0), dtype=torch.int64,
+                              device=self.get_scale_tensor().device)
+        return self._skipped
+
     # -- where each optimizer stands in this iteration (no sync) --------------------------
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s gradients were unscaled (``unscale_`` or ``step``) since the last ``update()``."""
