@@ -241,7 +241,18 @@ def test_two_nodes_on_one_machine_with_a_c10d_rendezvous_train_as_two_ranks(runs
 ELASTIC = SCRIPTS / "elastic_trainer.py"
 
 
-def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_trainer_resumes_bit_for_bit(tmp_path):
+@pytest.fixture(scope="module")
+def elastic_full(tmp_path_factory):
+    """tests/scripts/elastic_trainer.py uninterrupted (FSDP2, 2 ranks under torchrun): the run the
+    faulted ones below must end equal to; its folder and torchrun's stdout."""
+    out = tmp_path_factory.mktemp("elastic") / "full"
+    proc = subprocess.run(torchrun(ELASTIC, str(out)), capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_trainer_resumes_bit_for_bit(tmp_path, elastic_full):
     """TrainingArguments(fsdp="full_shard") under `torchrun --max-restarts 1`: rank 1 is SIGKILLed at
     step 6; the agent restarts both ranks; the Trainer (no resume argument) continues from
     checkpoint-4 and ends equal to an uninterrupted run, and torchrun exits 0. The restarted run is
@@ -262,12 +273,14 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_trainer_resumes_
         assert exits == [f"attempt {last} rank {r}: process group destroyed at exit" for r in (0, 1)], proc.stdout
         return proc
 
-    run(tmp_path / "full")
+    full, stdout = elastic_full
+    exits = sorted(line for line in stdout.splitlines() if line.startswith("attempt 0 rank "))
+    assert exits == [f"attempt 0 rank {r}: process group destroyed at exit" for r in (0, 1)], stdout
     # The schedule counts optimizer steps on each rank (linear decay over 12 steps), not one per process.
-    history = json.loads((tmp_path / "full" / "checkpoint-12" / "trainer_state.json").read_text())["log_history"]
+    history = json.loads((full / "checkpoint-12" / "trainer_state.json").read_text())["log_history"]
     lr4 = next(h["learning_rate"] for h in history if h.get("step") == 4)
     assert lr4 == pytest.approx(0.05 * 9 / 12)  # the rate step 4 used (3 steps of decay), as transformers logs it
-    a = safetensors.torch.load_file(str(tmp_path / "full" / "final" / "model.safetensors"))
+    a = safetensors.torch.load_file(str(full / "final" / "model.safetensors"))
     for name, c10d in (("killed", False), ("killed_c10d", True)):
         proc = run(tmp_path / name, "--kill-at", "6", c10d=c10d)
         assert (tmp_path / name / "attempts.txt").read_text() == "attempt 1 finished at step 12\n"
@@ -288,7 +301,7 @@ def test_training_arguments_fsdp_maps_onto_the_plugin_with_hugging_faces_names()
         TrainingArguments(output_dir="x", fsdp="full_shard offload")
 
 
-def test_a_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(tmp_path):
+def test_a_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(tmp_path, elastic_full):
     def run(out, *extra, ok=True):
         cmd = torchrun(ELASTIC, str(out), *extra)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
@@ -296,14 +309,13 @@ def test_a_sigterm_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint(t
         assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc
 
-    run(tmp_path / "full")
     proc = run(tmp_path / "term", "--sigterm-at", "6", ok=False)  # both ranks exit with status 75
     assert proc.stderr.count("SIGTERM received; stopped after step 6") == 2  # rank 0 saw it through rank 1
     assert "exitcode  : 75" in proc.stderr
     names = sorted(p.name for p in (tmp_path / "term").iterdir() if p.name.startswith("checkpoint"))
     assert names == ["checkpoint-4", "checkpoint-6"]
     run(tmp_path / "term", "--resume")
-    a = safetensors.torch.load_file(str(tmp_path / "full" / "final" / "model.safetensors"))
+    a = safetensors.torch.load_file(str(elastic_full[0] / "final" / "model.safetensors"))
     b = safetensors.torch.load_file(str(tmp_path / "term" / "final" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -450,7 +450,8 @@ def _child(target: Target, order: list[str] | None, memory: _MemoryModule | None
         threading.settrace(tracer)
     plugin = _Plugin(order, target.exclude, tracer)
     files = target.tests if order is None else sorted({t.split("::")[0] for t in order}, key=target.tests.index)
-    args = ["-q", "-p", "no:cacheprovider", "-W", "ignore", "--rootdir", str(ROOT), *files]
+    # -n 0: in this process (the suite's addopts start xdist workers, which would import the file on disk)
+    args = ["-q", "-p", "no:cacheprovider", "-n", "0", "-W", "ignore", "--rootdir", str(ROOT), *files]
     if not trace:
         args.insert(0, "-x")
     try:
