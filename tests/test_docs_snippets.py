@@ -7,7 +7,8 @@ says so in the markdown, on the line just before it::
     <!-- not-run: needs a CUDA GPU -->
 
 and is reported as skipped with that reason. ``<!-- slow: why -->`` runs the block under the
-``slow`` marker. Every fence names its language, so no block escapes by having none.
+``slow`` marker. Every fence names its language, so no block escapes by having none. Under
+pytest-xdist a page's blocks run on one worker (its ``xdist_group``), so each runs once.
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ def _run(block: Block, page: _Page, monkeypatch) -> None:
 
 def _params():
     for b in RUNNABLE:
-        marks = [pytest.mark.slow] if b.mark == "slow" else []
+        # a page's blocks on one xdist worker: each runs the blocks before it once per process
+        marks = [pytest.mark.xdist_group(f"docs:{b.page.relative_to(ROOT)}")]
+        marks += [pytest.mark.slow] if b.mark == "slow" else []
         yield pytest.param(b, id=b.name, marks=marks)
 
 
