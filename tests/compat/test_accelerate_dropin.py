@@ -318,6 +318,7 @@ def _orders(lib: str, nproc: int) -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("batch_orders")  # one worker: _orders' launches made once
 @pytest.mark.parametrize("nproc", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_prepared_loader_gives_accelerates_batches_index_for_index(mode, nproc):
