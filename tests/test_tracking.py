@@ -14,6 +14,7 @@ import enum
 import json
 import struct
 import sys
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -441,9 +442,19 @@ def test_wandb_offline_run_holds_the_config_and_the_logged_steps(monkeypatch, tm
     trackers.finish()
 
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    records = _wandb_records(run_file)
-    config = {u.key: json.loads(u.value_json) for r in records if r.WhichOneof("record_type") == "config"
-              for u in r.config.update}
+    # wandb's service process writes the file on its own: finish() can return before it is all
+    # there (a header alone, seen on a loaded machine); its last record is the run's exit
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            records = _wandb_records(run_file)
+        except Exception:  # noqa: BLE001 - a record half written: read again
+            records = []
+        if records and records[-1].WhichOneof("record_type") == "exit" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    updates = [u for r in records if r.WhichOneof("record_type") == "config" for u in r.config.update]
+    config = {u.key: json.loads(u.value_json) for u in updates}
     assert config["lr"] == 0.1 and config["optimizer"] == "adamw"
     history = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json) for i in r.history.item}
                for r in records if r.WhichOneof("record_type") == "history"]
