@@ -7,9 +7,8 @@ holds what pytest itself must see.
 * ``@pytest.mark.gpu`` is the one mechanism for tests that need CUDA: they are skipped, with the
   reason, where ``torch.cuda.is_available()`` is false, and run unchanged on a GPU machine.
 * The reference packages (``REFERENCES``: the installed transformers, accelerate, peft, torchao,
-  datasets, schedulefree, trl and sentence-transformers the differential tests take their expected
-  values from): a test
-  whose reference is missing is skipped, except where ``MIXPREC_REQUIRE_REFERENCES=1`` (``.ci/run``
+  datasets, schedulefree, trl, sentence-transformers and lightning the differential tests take their
+  expected values from): a test whose reference is missing is skipped, except where ``MIXPREC_REQUIRE_REFERENCES=1`` (``.ci/run``
   sets it), where a missing one is an error that names it and the fix: the run stops before its
   first test, and a skip for a missing part of one (``torchao.float8``) is a failure.
 * Under pytest-xdist (``-n auto``, in ``pyproject.toml``'s addopts) each worker takes its share
@@ -72,7 +71,7 @@ def _uses_a_module_fixture(item: pytest.Item) -> bool:
 #: The packages the differential tests compare against: a test whose reference is missing skips, or,
 #: where REQUIRE is set (CI), fails. ``pip install -e ".[dev]"`` installs them all.
 REFERENCES = ("transformers", "accelerate", "peft", "torchao", "datasets", "schedulefree", "trl",
-              "sentence_transformers")
+              "sentence_transformers", "lightning")
 REQUIRE = "MIXPREC_REQUIRE_REFERENCES"
 FIX = 'install the test extras: pip install -e ".[dev]"'
 
