@@ -140,9 +140,10 @@ class MixprecPrecision(Precision):
         return self.plugin.scaler
 
     @property
-    def device(self) -> torch.device:
-        """The device the precision runs on."""
-        return self.plugin.device
+    def device(self) -> str:
+        """The type of the device the precision runs on (``"cpu"``, ``"cuda"``), as Lightning's
+        ``MixedPrecision.device`` (what ``torch.autocast`` takes)."""
+        return self.plugin.device.type
 
     def sharding_policy(self, reduce_dtype: torch.dtype | None = torch.float32) -> Any:
         """FSDP2's ``MixedPrecisionPolicy`` for the precision, for ``fully_shard(..., mp_policy=)`` in a
@@ -263,13 +264,10 @@ class MixprecPrecision(Precision):
 
     def _step(self, optimizer: torch.optim.Optimizer, closure: Any, kwargs: dict[str, Any]) -> Any:
         self.audit.observe_gradients(optimizer)
-        if kwargs and self.plugin.steps is not None:
-            raise TypeError(f"optimizer.step() was given {', '.join(kwargs)}; the loss scaler's step takes no "
-                            "arguments (torch.amp.GradScaler's neither)")
         self.before_step(optimizer)
         out = None
         try:
-            out = optimizer.step(closure, **kwargs) if kwargs else self.plugin.optimizer_step(optimizer, closure)
+            out = self.plugin.optimizer_step(optimizer, closure, **kwargs)
         except LossScaleCollapse as error:
             self._on_collapse(error)
         first = bool(self._optimizers) and optimizer is self._optimizers[0]
@@ -293,7 +291,7 @@ class MixprecPrecision(Precision):
             raise error
         # The skipped steps changed nothing: the weights are the last applied ones. Drop the
         # overflowing gradients and train on in the fallback precision (the scaler stays behind).
-        target, why = fallback_target(self.plugin, self.device)
+        target, why = fallback_target(self.plugin, self.plugin.device)
         before = self.plugin.policy.name
         for optimizer in self._optimizers:
             optimizer.zero_grad(set_to_none=True)
@@ -303,7 +301,7 @@ class MixprecPrecision(Precision):
 
     def _switch(self, name: str) -> None:
         self.plugin.release()
-        self.plugin = self._make(name, self.device, self._config.replace(loss_scaler=None))
+        self.plugin = self._make(name, self.plugin.device, self._config.replace(loss_scaler=None))
         for optimizer in self._optimizers:
             self.plugin.track_optimizer(optimizer)
 
@@ -422,7 +420,7 @@ class MixprecPrecision(Precision):
         self.plugin = self._make(self._requested, device)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.plugin.policy.name!r}, device={str(self.device)!r})"
+        return f"{type(self).__name__}({self.plugin.policy.name!r}, device={str(self.plugin.device)!r})"
 
 
 def _trainer_of(module: Any) -> Any:

@@ -156,10 +156,13 @@ class PrecisionPlugin:
             return None
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
-        """Step ``optimizer`` (or skip it, where the precision checks for inf/NaN)."""
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None, **kwargs: Any) -> Any:
+        """Step ``optimizer`` (or skip it, where the precision checks for inf/NaN); ``kwargs`` go
+        to its ``step`` (as ``torch.amp.GradScaler.step`` passes them)."""
         if self.steps is not None:
-            return self.steps.optimizer_step(optimizer, closure)
+            return self.steps.optimizer_step(optimizer, closure, **kwargs)
+        if kwargs:
+            return optimizer.step(closure, **kwargs)
         return optimizer_calls.step(optimizer, closure)  # torch's step, less what nothing observes
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:

@@ -116,12 +116,12 @@ class ScaledSteps:
     # -- 3. clip: the base class unscales through unscale_gradients, then clips -----------
 
     # -- 4. step or skip ---------------------------------------------------------------------
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None, **kwargs: Any) -> Any:
         if closure is not None:
             raise ValueError("closures are not supported with a loss scaler (torch.amp.GradScaler has the same limit)")
         self._optimizers.setdefault(id(optimizer), optimizer)
         self._begin_step(optimizer)
-        out = self._scaler.step(optimizer)  # unscales (unless done), checks for inf/NaN, steps or skips
+        out = self._scaler.step(optimizer, **kwargs)  # unscales (unless done), checks for inf/NaN, steps or skips
         flag, on_host = self._scaler.found_inf(optimizer)
         self._flags[id(optimizer)] = [flag, on_host]
         if flag is not None:
