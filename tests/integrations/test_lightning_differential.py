@@ -37,7 +37,7 @@ def test_where_lightning_is_right_the_trainer_gives_its_losses_and_weights_step_
 def _fabric_run(**how):
     with quiet():
         fabric = Fabric(accelerator="cpu", devices=1, **how)
-        model = net()
+        model = torch.nn.Sequential(torch.nn.LayerNorm(8), net())  # (Fabric casts inputs: LayerNorm sees bf16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, optimizer = fabric.setup(model, optimizer)
         losses, weights = [], []

@@ -36,6 +36,7 @@ try:
     from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from lightning_utilities.core.apply_func import apply_to_collection
 except ImportError as e:  # pragma: no cover - lightning is in the dev install
     raise ImportError("mixprec.lightning is a precision plugin for Lightning, which is not installed: "
                       "pip install lightning") from e
@@ -184,8 +185,15 @@ class MixprecPrecision(Precision):
         return self.plugin.forward_context()
 
     def convert_input(self, data: Any) -> Any:
-        """The batch as the precision's forward takes it (bf16 floats for bf16-true)."""
-        return self.plugin.convert_input(data)
+        """The batch as the precision's forward takes it (bf16 floats for bf16-true); under Fabric
+        with autocast, floats in the compute dtype too, as Lightning's Fabric ``MixedPrecision``
+        casts them (the Trainer's leaves them to autocast, as Lightning's Trainer does)."""
+        data = self.plugin.convert_input(data)
+        policy = self.plugin.policy
+        if self._fabric is None or not policy.autocast_enabled:
+            return data
+        dtype = policy.compute_dtype
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
 
     def convert_output(self, data: Any) -> Any:
         """What the forward returned, 16-bit floats cast to fp32 under autocast."""
