@@ -322,3 +322,47 @@ def test_a_file_another_writer_wrote_is_hashed_in_pieces_and_a_changed_piece_fai
     (final / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"the row of optimizer\.pt has no valid 'piece' and 'sha256_pieces'"):
         read_manifest(final)
+
+
+def test_a_range_of_a_file_hashes_as_its_bytes_and_a_range_past_the_end_as_what_is_there(tmp_path):
+    import hashlib
+
+    from mixprec.checkpoint.integrity import sha256_file
+
+    data = os.urandom(3 * 4096 + 1)
+    (tmp_path / "f").write_bytes(data)
+    (tmp_path / "one").write_bytes(b"x")
+    assert sha256_file(tmp_path / "one") == hashlib.sha256(b"x").hexdigest()
+    assert sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+    assert sha256_file(tmp_path / "f", 4096, 4096) == hashlib.sha256(data[4096:8192]).hexdigest()
+    assert sha256_file(tmp_path / "f", 3 * 4096, 4096) == hashlib.sha256(data[3 * 4096:]).hexdigest()  # 1 byte
+
+
+def test_sync_and_hash_rows_a_file_up_to_a_piece_whole_and_a_larger_one_in_pieces_and_fails_with_its_fsync(
+        tmp_path, monkeypatch):
+    import errno
+    import hashlib
+
+    import mixprec.checkpoint.integrity as integrity
+
+    with open(tmp_path / "big.bin", "wb") as fh:  # sparse: no disk used, zeros read back
+        fh.truncate(integrity.PIECE + 1)
+    with open(tmp_path / "even.bin", "wb") as fh:
+        fh.truncate(integrity.PIECE)
+    (tmp_path / "small.json").write_text("{}")
+    rows = integrity.sync_and_hash(tmp_path)
+    assert rows["small.json"] == {"size": 2, "sha256": hashlib.sha256(b"{}").hexdigest()}
+    assert rows["even.bin"] == {"size": integrity.PIECE, "sha256": hashlib.sha256(bytes(integrity.PIECE)).hexdigest()}
+    assert rows["big.bin"] == {"size": integrity.PIECE + 1, "piece": integrity.PIECE, "sha256_pieces": [
+        hashlib.sha256(bytes(integrity.PIECE)).hexdigest(), hashlib.sha256(b"\0").hexdigest()]}
+
+    synced = []
+
+    def failing_fsync(fd):
+        synced.append(fd)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(integrity.os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="Input/output error"):  # a file that cannot be made durable is no row
+        integrity.sync_and_hash(tmp_path)
+    assert synced
