@@ -19,7 +19,7 @@ import yaml  # noqa: E402 (Lightning's own dependency)
 from lightning.fabric import Fabric  # noqa: E402
 from lightning_toys import Regression, fit, flat, loader, net, quiet, torch_fp16_recipe  # noqa: E402
 
-from mixprec import LossScaleCollapse  # noqa: E402
+from mixprec import LossScaleCollapse, LossScaler  # noqa: E402
 from mixprec.lightning import MixprecFSDPPrecision, MixprecPrecision  # noqa: E402
 from mixprec.precision import PrecisionConfig  # noqa: E402
 
@@ -58,6 +58,10 @@ def test_options_are_mixprecs_own_precision_options(tmp_path):
         MixprecPrecision("bf16-true", loss_scaler={"init_scale": 8.0})
     plugin = MixprecPrecision("fp16-mixed", loss_scaler={"init_scale": 1024.0, "hysteresis": 2})
     assert plugin.scaler.get_scale() == 1024.0 and plugin.scaler.state_dict()["hysteresis"] == 2
+    plugin.scaler = LossScaler("cpu", init_scale=8.0)  # assignable, as Lightning's MixedPrecision.scaler
+    assert plugin.scaler.get_scale() == 8.0 and plugin.plugin.steps.scaler is plugin.scaler
+    with pytest.raises(TypeError, match="takes a mixprec.LossScaler"):
+        plugin.scaler = object()
     doctor = tmp_path / "fp8.json"  # what `mixprec doctor --precision fp8 --write-filter` writes
     doctor.write_text(json.dumps({"fp8_recipe": "rowwise", "fp8_filter": ["net.1"]}))
     plugin = MixprecPrecision("fp8", fp8_filter=str(doctor))

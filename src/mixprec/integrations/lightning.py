@@ -140,6 +140,16 @@ class MixprecPrecision(Precision):
         ``MixedPrecision``; ``None`` where the precision has none (and after a fallback)."""
         return self.plugin.scaler
 
+    @scaler.setter
+    def scaler(self, scaler: LossScaler) -> None:
+        # Lightning's MixedPrecision.scaler is an attribute: assigning one is the same as loss_scaler=scaler.
+        if not isinstance(scaler, LossScaler):
+            raise TypeError(f"MixprecPrecision.scaler takes a mixprec.LossScaler (torch.amp.GradScaler's API, "
+                            f"hysteresis, bounds), got {type(scaler).__name__}; or pass loss_scaler={{...}} to the "
+                            "plugin")
+        self._config = self._config.replace(loss_scaler=scaler)
+        self._switch(self.plugin.policy.name, self._config)
+
     @property
     def device(self) -> str:
         """The type of the device the precision runs on (``"cpu"``, ``"cuda"``), as Lightning's
@@ -307,9 +317,10 @@ class MixprecPrecision(Precision):
         self.fallbacks.append({"step": self._steps, "from": before, "to": target})
         log_fallback(self._steps, before, target, why, "see precision_report() for what ran in fp16")
 
-    def _switch(self, name: str) -> None:
+    def _switch(self, name: str, config: PrecisionConfig | None = None) -> None:
+        """Train on in ``name`` (the loss scaler stays behind unless ``config`` gives one)."""
         self.plugin.release()
-        self.plugin = self._make(name, self.plugin.device, self._config.replace(loss_scaler=None))
+        self.plugin = self._make(name, self.plugin.device, config or self._config.replace(loss_scaler=None))
         for optimizer in self._optimizers:
             self.plugin.track_optimizer(optimizer)
 
