@@ -31,7 +31,9 @@ class DeviceCapability:
         support: precision name -> ``"native"`` | ``"emulated"`` | ``"unsupported"``.
         reasons: precision name -> why it is not native here (empty where it is).
         impractical: the emulated precisions that run so slowly here (a generic fallback kernel,
-            orders of magnitude below fp32) that training in them is impractical, with why.
+            orders of magnitude below fp32) that training in them is impractical, with why: fp16
+            without AMX-FP16 and AVX512-FP16, bf16 without AMX-BF16, AVX512-BF16 and AVX512. The
+            bench leaves them out of its defaults, saying so.
 
     Example:
         >>> cap = detect_capability("cpu")
@@ -103,11 +105,18 @@ def _cpu_capability() -> DeviceCapability:
     support = {"fp32": NATIVE}
     reasons: dict[str, str] = {}
     support["bf16-mixed"] = support["bf16-true"] = NATIVE if bf16 else EMULATED
-    if not bf16:
-        why = "this CPU has neither AMX-BF16 nor AVX512-BF16, so bf16 matrix products are emulated"
-        reasons["bf16-mixed"] = reasons["bf16-true"] = why
-    support["fp16-mixed"] = NATIVE if fp16 else EMULATED
     impractical = {}
+    if not bf16 and flags["avx512_f"]:
+        reasons["bf16-mixed"] = reasons["bf16-true"] = (
+            "this CPU has neither AMX-BF16 nor AVX512-BF16, so bf16 matrix products are emulated with AVX512 "
+            "(about 0.4x fp32's speed)")
+    elif not bf16:
+        # As fp16's generic kernel below: oneDNN has no bf16 kernel below AVX512 (measured rates in
+        # benchmarks/RESULTS.md, "mixprec bench on a 2-core AMD EPYC held to AVX2").
+        reasons["bf16-mixed"] = reasons["bf16-true"] = impractical["bf16-mixed"] = impractical["bf16-true"] = (
+            "this CPU has neither AMX-BF16, AVX512-BF16 nor AVX512, so bf16 matrix products fall back to a "
+            "generic kernel that runs 20-110x slower than fp32")
+    support["fp16-mixed"] = NATIVE if fp16 else EMULATED
     if flags["avx512_fp16"] and not fp16:
         reasons["fp16-mixed"] = ("this CPU has no AMX-FP16, so fp16 matrix products run no faster than fp32 "
                                  "(AVX512-FP16 speeds up element-wise work only)")
