@@ -17,6 +17,7 @@ from typing import Any
 
 from mixprec.apps.bench import DEFAULT_PRECISIONS, BenchConfig, run_bench
 from mixprec.apps.plots import plot_bench_result
+from mixprec.apps.progress import Progress
 from mixprec.nested import tree_map
 from mixprec.precision import PLUGINS
 from mixprec.tasks import DATA_CONTRACT, PYCODE_SIZES, TASKS
@@ -67,7 +68,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bf16-true-state-dtype", default="fp32", help="bf16-true's optimizer moments: fp32 (default) or bf16")
     p.add_argument("--compile", action="store_true", help="compile every contestant (the warm-up absorbs it)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
-    p.add_argument("--matmul-size", type=int, default=None, help="side of the peak-measuring matmul")
+    p.add_argument("--matmul-size", type=int, default=None,
+                   help="side of the peak-measuring matmul (default: sized to the device per dtype, doubling from 256 "
+                   "to the first side whose one product takes at least 0.05 s, at most 2048 on the CPU, 4096 "
+                   "elsewhere)")
     p.add_argument("--profile", action="store_true", help="print the top operators of one step per precision")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default runs/bench-<time>)")
     p.set_defaults(func=run)
@@ -86,10 +90,18 @@ def run(args: argparse.Namespace) -> int:
                              bf16_true_state_dtype=args.bf16_true_state_dtype, compile=args.compile,
                              memory=not args.no_memory,
                              matmul_size=args.matmul_size, profile=args.profile)
-        result = run_bench(config)
     except ValueError as exc:
         print(f"mixprec bench: error: {exc}", file=sys.stderr)
         return 2
+    progress = Progress("bench")  # stderr: what runs now, round k of n, the time left
+    try:
+        result = run_bench(config, progress)
+    except ValueError as exc:
+        progress.close()
+        print(f"mixprec bench: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        progress.close("measured")
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     result["command"] = _command(config, out)
@@ -140,7 +152,8 @@ def format_table(result: dict[str, Any]) -> str:
     rows = result["results"]
     tokens = task["tokens_per_sample"]
     cfg = result["config"]
-    peaks = ", ".join(f"{k} {v:.2f}" for k, v in result["matmul_peak_tflops"].items())
+    sides = result["matmul_size"]
+    peaks = ", ".join(f"{k} {v:.2f} ({sides[k]}^3)" for k, v in result["matmul_peak_tflops"].items())
     lines = [
         f"{task['name']}: {task['description']}",
         f"{task['parameters']:,} parameters, batch {task['batch_size']}"
@@ -148,7 +161,8 @@ def format_table(result: dict[str, Any]) -> str:
         + f"; {cfg['steps']} steps x {cfg['rounds']} rounds per precision, interleaved, after {cfg['warmup']} warm-up",
         f"machine: {machine['device']} ({machine['device_name']}), torch {machine['torch']}, "
         f"{machine['threads']} threads",
-        f"matmul peak ({result['matmul_size']}^3, measured after each round, best): {peaks} TFLOP/s",
+        f"matmul peak (measured after each round, best; each dtype's side "
+        f"{'given' if cfg.get('matmul_size') else 'sized to the device'}): {peaks} TFLOP/s",
         "",
     ]
     vs_mixprec = any(r["runner"] != "mixprec" for r in rows.values())

@@ -39,7 +39,10 @@ class BenchConfig:
             split, the eval loss is measured on the training data).
         precisions: the precisions to compare (names or aliases; canonical ones are kept);
             ``None`` (default): those of :data:`DEFAULT_PRECISIONS` that the device runs at a useful
-            speed (fp16-mixed is left out, with a note, on a CPU that has no fp16 matrix kernel).
+            speed: a precision whose matrix products fall back to a generic kernel here
+            (:attr:`~mixprec.hardware.DeviceCapability.impractical`: fp16-mixed on a CPU without
+            AMX-FP16 or AVX512-FP16, bf16-mixed and bf16-true on one without AVX512) is left out,
+            with a note saying why.
         steps: timed optimizer steps per precision in each round.
         rounds: rounds of interleaving.
         warmup: untimed steps per precision before the first round.
@@ -60,8 +63,10 @@ class BenchConfig:
         eval_batches: batches of the eval set's start that the eval loss averages over.
         memory: measure peak memory (on the CPU this starts one fresh process per precision).
         memory_steps: steps the CPU memory measurement trains.
-        matmul_size: side of the square matrix product that measures the peak; ``None``: 2048 on
-            the CPU, 4096 elsewhere.
+        matmul_size: side of the square matrix product that measures the peak; ``None``: sized to
+            the device per dtype, doubling from 256 to the first side whose one product takes at
+            least 0.05 s, at most 2048 on the CPU (4096 elsewhere), so that a dtype the device
+            emulates costs a second, not minutes (:func:`~mixprec.apps.bench.measure.matmul_side`).
         profile: also profile one step of each precision (top operators, share in matmuls).
 
     Example:

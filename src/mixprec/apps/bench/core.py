@@ -15,8 +15,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from mixprec.apps.bench.config import DEFAULT_PRECISIONS, BenchConfig, Job, build_job, tokens_per_sample
-from mixprec.apps.bench.measure import dtype_name, matmul_peak, profile_step
+from mixprec.apps.bench.measure import dtype_name, matmul_peak, matmul_side, profile_step
 from mixprec.apps.bench.memory import measure_memory
+from mixprec.apps.bench.plan import BenchPlan
 from mixprec.apps.bench.rivals import (
     RIVAL_FACTORIES,
     RIVALS,
@@ -26,6 +27,7 @@ from mixprec.apps.bench.rivals import (
     reset_hf_state,
 )
 from mixprec.apps.bench.runners import Runner, mixprec_runner
+from mixprec.apps.progress import Progress
 from mixprec.data import send_to_device
 from mixprec.hardware import default_device, detect_capability
 from mixprec.models import call_model, loss_of
@@ -67,7 +69,7 @@ def _machine(device: torch.device) -> dict[str, Any]:
             "python": platform.python_version(), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
 
 
-def run_bench(config: BenchConfig) -> dict[str, Any]:
+def run_bench(config: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
     """Train the job under each precision, interleaved, and measure it; returns every number.
 
     Precisions the device cannot run are reported with ``status="skipped"`` and the reason. That
@@ -75,10 +77,14 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
 
     Args:
         config: what to measure.
+        progress: where to say what runs now (warm-up, round k of n, the matmul peak...) and the
+            time left; ``None``: say nothing (``mixprec bench`` passes one on stderr).
 
     Returns:
         ``{"machine", "config", "task", "baseline", "matmul_size", "matmul_peak_tflops",
-        "memory_method", "results", "notes", "profile"}``; ``results`` maps a row name (a
+        "memory_method", "results", "notes", "profile"}``; ``matmul_size`` maps each dtype to the
+        side its peak was measured at (``config.matmul_size``, else sized to the device:
+        :func:`~mixprec.apps.bench.measure.matmul_side`); ``results`` maps a row name (a
         precision, ``"bf16-true (none)"`` for a further bf16-true update, or a compared
         contestant's ``"torch-loop bf16-mixed"``, ``"hf-trainer bf16-mixed"``...) to its numbers.
 
@@ -87,8 +93,9 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         >>> out["results"]["fp32"]["speedup"]
         1.0
     """
+    progress = progress if progress is not None else Progress("bench", enabled=False)
     if not config.compile:
-        return _run_bench(config)
+        return _run_bench(config, progress)
     # Every contestant's forward is one code object (the precision's forward wrapper), and each
     # model adds entries to its compile cache (a Float8Linear is another type, the first step's
     # observing hooks another guard): past dynamo's recompile limit (8) the later contestants would
@@ -98,10 +105,11 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     limit = max(64, torch._dynamo.config.recompile_limit)
     with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(
             limit * 4, torch._dynamo.config.accumulated_recompile_limit)):
-        return _run_bench(config)
+        return _run_bench(config, progress)
 
 
-def _run_bench(config: BenchConfig) -> dict[str, Any]:
+def _run_bench(config: BenchConfig, progress: Progress) -> dict[str, Any]:
+    progress.stage("loading the task", config.model or config.task)
     device = _resolve_device(config.device)
     cap = detect_capability(device)
     left_out = []
@@ -114,34 +122,47 @@ def _run_bench(config: BenchConfig) -> dict[str, Any]:
         job = build_job(config)
     except (ImportError, AttributeError, TypeError) as exc:  # load_factory's, naming the spec and the fix
         raise ValueError(f"cannot build the task: {exc}") from exc
+    for line in left_out:  # said before the run, and again in the notes
+        progress.note(line)
     notes = left_out + [f"{p} is emulated here: {cap.reasons[p]}" for p in config.precisions
                         if cap.support.get(p) == "emulated" and p in cap.reasons]
-    rows: dict[str, dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = dict(_mixprec_rows(config))
+    compared = []
+    for c in config.compare:
+        precision = compare_precision(config.precisions, c)
+        rows[f"{RIVALS[c]} {precision}"] = {"runner": RIVALS[c], "precision": precision}
+        compared.append((c, precision, f"{RIVALS[c]} {precision}"))
+    dtypes = sorted({torch.float32} | {policy_for(r["precision"]).compute_dtype for r in rows.values()}, key=str)
+    memory_rows = sum(r["runner"] == "mixprec" for r in rows.values()) if config.memory and device.type == "cpu" else 0
+    plan = BenchPlan(progress, config, list(rows), memory_rows, len(dtypes))
     runners: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # said once, in the notes
-        for name, row in _mixprec_rows(config):
-            rows[name] = row
+        for name, row in list(rows.items())[:len(rows) - len(compared)]:
             _start(row, runners, name, lambda row=row: mixprec_runner(job, row["precision"], config, device,
-                                                                       row.get("compensation")), device, config)
-        for c in config.compare:
-            precision = compare_precision(config.precisions, c)
-            name = f"{RIVALS[c]} {precision}"
-            rows[name] = {"runner": RIVALS[c], "precision": precision}
+                                                                       row.get("compensation")), device, config, plan)
+        for c, precision, name in compared:
             if hf_missing(c):
                 _skip(rows[name], hf_missing(c))
+                plan.skipped(name)
                 continue
             _start(rows[name], runners, name,
-                   lambda c=c, p=precision: RIVAL_FACTORIES[c](job, p, config, device, notes), device, config)
-        size = config.matmul_size or (2048 if device.type == "cpu" else 4096)
-        dtypes = sorted({torch.float32} | {policy_for(r["precision"]).compute_dtype for r in rows.values()}, key=str)
+                   lambda c=c, p=precision: RIVAL_FACTORIES[c](job, p, config, device, notes), device, config, plan)
+        max_side = 2048 if device.type == "cpu" else 4096
+        sizes = {dtype_name(d): config.matmul_size for d in dtypes} if config.matmul_size else {}
+
+        def peak() -> dict[str, float]:
+            if not sizes:  # sized once, on the first round's measurement: every round measures alike
+                sizes.update({dtype_name(d): matmul_side(device, d, max_side) for d in dtypes})
+            return matmul_peak(device, dtypes, sizes)
+
         try:
-            profiles, round_peaks = _run_rounds(rows, runners, job, config, device,
-                                                lambda: matmul_peak(device, dtypes, size))
+            profiles, round_peaks = _run_rounds(rows, runners, job, config, device, peak, plan)
         finally:
             for runner in runners.values():
                 runner.finish()
             reset_hf_state()
+        plan.memory(sum(rows[n]["runner"] == "mixprec" for n in runners) if memory_rows else 0)
         memory_method = measure_memory(rows, runners, config, device)
     peaks = {k: max(p[k] for p in round_peaks) for k in round_peaks[0]}
     sample = next(iter(DataLoader(job.train, batch_size=config.batch_size, collate_fn=job.collate_fn)))
@@ -165,7 +186,7 @@ def _run_bench(config: BenchConfig) -> dict[str, Any]:
         "task": {"name": job.name, "description": job.description, "batch_size": config.batch_size,
                  "tokens_per_sample": tokens, "parameters": sum(p.numel() for p in model.parameters())},
         "baseline": baseline,
-        "matmul_size": size,
+        "matmul_size": sizes,
         "matmul_peak_tflops": peaks,
         "matmul_peak_tflops_per_round": round_peaks,
         "memory_method": memory_method,
@@ -215,8 +236,9 @@ def _skip(row: dict[str, Any], reason: str) -> None:
 
 
 def _start(row: dict[str, Any], runners: dict[str, Any], name: str, build: Callable[[], Any],
-           device: torch.device, config: BenchConfig) -> None:
+           device: torch.device, config: BenchConfig, plan: BenchPlan) -> None:
     """Build a contestant, count its FLOPs on one step, warm it up; a failure skips it, saying why."""
+    plan.building(name)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
@@ -231,9 +253,11 @@ def _start(row: dict[str, Any], runners: dict[str, Any], name: str, build: Calla
             row["host_syncs_per_step"] = runner.count_syncs()  # after the warm-up: steady state
     except Exception as exc:  # e.g. resolve_precision's ValueError for a precision the device lacks
         _skip(row, f"{type(exc).__name__}: {exc}")
+        plan.skipped(name)
         if runner is not None:
             runner.finish()
         return
+    plan.built(name, runner.times)
     runner.times.clear()
     runner.losses.clear()
     if device.type == "cuda" and config.memory and row["runner"] == "mixprec":
@@ -243,36 +267,54 @@ def _start(row: dict[str, Any], runners: dict[str, Any], name: str, build: Calla
 
 
 def _run_rounds(rows: dict[str, dict[str, Any]], runners: dict[str, Any], job: Job, config: BenchConfig,
-                device: torch.device, peak: Callable[[], dict[str, float]]) -> tuple[dict[str, Any], list[dict]]:
+                device: torch.device, peak: Callable[[], dict[str, float]],
+                plan: BenchPlan) -> tuple[dict[str, Any], list[dict]]:
     """The interleaved rounds, each ending with a matmul-peak measurement (so the peak drifts with
     the steps it is compared to); then each contestant's eval loss and (if asked) a profiled step."""
     played, peaks = [], []
+    trainer = next(((n, r) for n, r in runners.items() if isinstance(r, HFTrainerRunner)), None)
 
     def play_round(r: int) -> None:
+        if trainer is not None and trainer[0] in runners:  # it drives: its chunk of round r just ended
+            plan.chunk_done(r, trainer[0], trainer[1].times)
         for name, runner in list(runners.items()):
             if isinstance(runner, Runner):
+                plan.chunk(r, name)
                 try:
                     runner.run_chunk(config.steps)
                 except Exception as exc:  # one contestant failing must not lose the others' numbers
                     _skip(rows[name], f"failed in round {r + 1}: {type(exc).__name__}: {exc}")
                     runners.pop(name).finish()
+                    plan.skipped(name)
+                    continue
+                plan.chunk_done(r, name, runner.times)
+        plan.peak(r)
         peaks.append(peak())
+        plan.peak_done()
         played.append(r)
+        if trainer is not None and trainer[0] in runners and r + 1 < config.rounds:
+            plan.chunk(r + 1, trainer[0])
 
-    trainer = next(((n, r) for n, r in runners.items() if isinstance(r, HFTrainerRunner)), None)
     if trainer is not None:
+        plan.chunk(0, trainer[0])
         try:
             trainer[1].train(config, play_round)
         except Exception as exc:
             _skip(rows[trainer[0]], f"failed: {type(exc).__name__}: {exc}")
             runners.pop(trainer[0]).finish()
+            plan.skipped(trainer[0])
     for r in range(len(played), config.rounds):
         play_round(r)
     eval_set = job.eval_batches(config)
     for name, runner in runners.items():
+        plan.evaluating(name)
         rows[name]["eval_loss"] = _eval_loss(runner.model, eval_set, device, getattr(runner, "input_dtype", None))
-    profiles = {n: profile_step(r, device) for n, r in runners.items()
-                if config.profile and rows[n]["runner"] == "mixprec"}
+        plan.evaluated()
+    profiles = {}
+    for n, r in runners.items():
+        if config.profile and rows[n]["runner"] == "mixprec":
+            plan.phase("profile", n)
+            profiles[n] = profile_step(r, device)
     return profiles, peaks
 
 

@@ -60,22 +60,57 @@ CPU_SDPA_FLOPS = {
 
 
 # -- the device's matrix-product peak -----------------------------------------------------------
-def matmul_peak(device: torch.device, dtypes: list[torch.dtype], n: int) -> dict[str, float]:
-    """Best-of-3 TFLOP/s of an ``n x n @ n x n`` product in each dtype."""
+PEAK_PRODUCT_S = 0.05  # the least one peak-measuring product takes (below the cap): a fixed time, not a fixed size
+
+
+def _product_time(device: torch.device, a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
+    """Best-of-``repeats`` seconds of one ``a @ b`` (after one untimed product: kernel set-up)."""
     inner = 1 if device.type == "cpu" else 10  # enough work between syncs on a fast device
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            torch.mm(a, b)
+        _sync(device)
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
+
+
+def _operands(device: torch.device, dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+
+
+def matmul_side(device: torch.device, dtype: torch.dtype, max_n: int, min_s: float = PEAK_PRODUCT_S,
+                start: int = 256) -> int:
+    """The side of the square product that measures ``dtype``'s peak here: starting at ``start``
+    and doubling, the first side whose one product takes at least ``min_s``, or ``max_n``.
+
+    Long enough that a kernel's start-up and the threads' wake-ups do not count (on a loaded
+    machine a 256-side product can take 30 ms whatever its dtype), and short where the device
+    emulates ``dtype``: a generic kernel at a few GFLOP/s stops at a side of 512 (~0.1 s a
+    product) instead of taking 20 s a product at 2048. One product then takes ``min_s`` to about
+    8x that (a doubling's work).
+
+    Example:
+        >>> matmul_side(torch.device("cpu"), torch.float32, max_n=512) in (256, 512)
+        True
+    """
+    n = min(start, max_n)
+    while n < max_n and _product_time(device, *_operands(device, dtype, n), repeats=2) < min_s:
+        n = min(2 * n, max_n)
+    return n
+
+
+def matmul_peak(device: torch.device, dtypes: list[torch.dtype], n: int | dict[str, int]) -> dict[str, float]:
+    """Best-of-3 TFLOP/s of an ``n x n @ n x n`` product in each dtype; ``n`` one side for all, or
+    a side per dtype name (:func:`matmul_side`'s, chosen once so that every round measures alike)."""
     peaks = {}
     for dtype in dtypes:
-        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-        torch.mm(a, b)
-        best = math.inf
-        for _ in range(3):
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                torch.mm(a, b)
-            _sync(device)
-            best = min(best, (time.perf_counter() - t0) / inner)
-        peaks[dtype_name(dtype)] = 2 * n**3 / best / 1e12
+        side = n if isinstance(n, int) else n[dtype_name(dtype)]
+        best = _product_time(device, *_operands(device, dtype, side), repeats=3)
+        peaks[dtype_name(dtype)] = 2 * side**3 / best / 1e12
     return peaks
 
 
