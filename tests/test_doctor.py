@@ -94,3 +94,19 @@ def test_the_cli_says_a_model_without_a_loss_on_stderr_and_exits_2(tmp_path, mon
     assert rc == 2
     assert "mixprec doctor: error: the model returned Tensor without a loss" in captured.err
     assert "error" not in captured.out
+
+
+def test_the_doctor_says_which_probe_runs_its_step_and_the_time_left(tmp_path):
+    import io
+
+    from mixprec.apps.progress import Progress
+
+    log = io.StringIO()
+    progress = Progress("doctor", stream=log, delay=0, log_interval=600)
+    run_doctor(Tiny, blobs(64), tmp_path, config=DoctorConfig(steps=2, batch_size=16, cpu=True), progress=progress)
+    progress.close("probed")
+    lines = log.getvalue().splitlines()
+    assert [line.split(";")[0] for line in lines[:-1]] == [
+        "doctor: probe 1/3: fp32, building the model", "doctor: probe 2/3: fp16-mixed, building the model",
+        "doctor: probe 3/3: bf16-mixed, building the model", "doctor: report: the plots, report.md and report.json"]
+    assert "left" in lines[1] and lines[-1].startswith("doctor: probed in ")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from mixprec.accelerator.accelerator import Accelerator
+from mixprec.apps.progress import Progress
 from mixprec.diagnostics import FORMAT_LIMITS, DiagnosticsConfig, GradientStats
 from mixprec.hardware import detect_capability
 from mixprec.models import call_model, loss_of
@@ -59,7 +61,7 @@ class DoctorConfig:
 
 
 def _probe(precision: str, build_model: Callable[[], torch.nn.Module], dataset: Any, collate: Any,
-           cfg: DoctorConfig) -> dict[str, Any]:
+           cfg: DoctorConfig, stepped: Callable[[int], None] = lambda step: None) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PrecisionPerformanceWarning)
         acc = Accelerator(mixed_precision=precision, cpu=cfg.cpu, diagnostics=DiagnosticsConfig(trace_overflow=True))
@@ -84,6 +86,7 @@ def _probe(precision: str, build_model: Callable[[], torch.nn.Module], dataset: 
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach().float()))
         step += 1
+        stepped(step)
     scaler = acc.scaler
     events = acc.monitor.events if acc.monitor is not None else []
     acc.monitor.remove()
@@ -174,8 +177,19 @@ def recommend(probes: dict[str, dict[str, Any]], layers: list[dict[str, Any]], b
 
 
 def run_doctor(build_model: Callable[[], torch.nn.Module], dataset: Any, out: str | Path, *,
-               collate: Any = None, config: DoctorConfig | None = None, task_name: str = "model") -> dict[str, Any]:
+               collate: Any = None, config: DoctorConfig | None = None, task_name: str = "model",
+               progress: Progress | None = None) -> dict[str, Any]:
     """Probe, write ``report.md``, ``report.json`` and three PNGs into ``out``; returns the report.
+
+    Args:
+        build_model: builds a fresh model (each probe trains its own).
+        dataset: the training samples.
+        out: the report's folder.
+        collate: the batches' collate function (default: the Trainer's).
+        config: the probes' steps, batch size and learning rate.
+        task_name: the report's title.
+        progress: where to say which probe runs (probe k of 3, step i of n) and the time left;
+            ``None``: say nothing (``mixprec doctor`` passes one on stderr).
 
     Example:
         >>> from mixprec.tasks import get_task  # doctest: +SKIP
@@ -188,7 +202,20 @@ def run_doctor(build_model: Callable[[], torch.nn.Module], dataset: Any, out: st
     cfg = config or DoctorConfig()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    probes = {p: _probe(p, build_model, dataset, collate or default_collate, cfg) for p in PROBES}
+    progress = progress if progress is not None else Progress("doctor", enabled=False)
+    probes, step_s = {}, {}
+    for i, p in enumerate(PROBES):
+        began = time.perf_counter()
+
+        def stepped(step: int, p: str = p, i: int = i, began: float = began) -> None:
+            # This probe's mean step so far; the later probes' are not known yet: assume the same.
+            step_s[p] = (time.perf_counter() - began) / step
+            left = (cfg.steps - step) * step_s[p] + (len(PROBES) - 1 - i) * cfg.steps * step_s[p]
+            progress.stage(f"probe {i + 1}/{len(PROBES)}", f"{p}, step {step}/{cfg.steps}", left_s=left)
+
+        progress.stage(f"probe {i + 1}/{len(PROBES)}", f"{p}, building the model")
+        probes[p] = _probe(p, build_model, dataset, collate or default_collate, cfg, stepped)
+    progress.stage("report", "the plots, report.md and report.json")
     device = Accelerator(cpu=cfg.cpu).device
     cap = detect_capability(device)
     layers = _layers(probes["fp32"])

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from mixprec.apps.progress import Progress
 from mixprec.cli.run_config import ConfigError, load_config
 from mixprec.precision import PrecisionPerformanceWarning, resolve_precision
 
@@ -79,13 +80,17 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
                   f"without it), got {args.precision!r}", file=sys.stderr)
             return 2
         return _run_fp8(args, task, out)
-    print(f"mixprec doctor: {task.name}, {args.steps} steps each in fp32, fp16-mixed, bf16-mixed ...")
+    print(f"mixprec doctor: {task.name}, {args.steps} steps each in fp32, fp16-mixed, bf16-mixed ...", flush=True)
+    progress = Progress("doctor")  # stderr: which probe runs, its step, the time left
     try:
         report = run_doctor(task.build_model, task.train_dataset, out, collate=task.collate_fn, config=doctor,
-                            task_name=task.name)
+                            task_name=task.name, progress=progress)
     except ValueError as e:  # e.g. a model that returns no loss (mixprec.models.loss_of says what it must return)
+        progress.close()
         print(f"mixprec doctor: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        progress.close("probed")
     rec = report["recommendation"]
     print(f"\nrecommendation: {rec['precision']}")
     for reason in rec["reasons"]:
