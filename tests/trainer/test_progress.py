@@ -67,3 +67,20 @@ def test_on_a_terminal_the_bar_is_redrawn_in_place(monkeypatch):
     _drive(ProgressCallback(), steps=5)
     assert tty.getvalue().count("\r") >= 2 and "5/5" in tty.getvalue()
 
+
+
+def test_an_evaluation_during_training_shows_on_the_bar(monkeypatch):
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    callback = ProgressCallback(log_interval=60)
+    state = SimpleNamespace(is_world_process_zero=True, max_steps=4, global_step=0, skipped_steps=0, loss_scale=1.0)
+    callback.on_train_begin(None, state, None)
+    state.global_step = 2
+    callback.on_step_end(None, state, None)
+    for _ in range(3):  # one line for the evaluation, not one per batch
+        callback.on_prediction_step(None, state, None)
+    callback.on_evaluate(None, state, None, metrics={"eval_loss": 1.0})
+    callback.on_train_end(None, state, None)
+    lines = log.getvalue().splitlines()
+    assert len([line for line in lines if line.startswith("train (evaluating): ")]) == 1, lines
+    assert lines[-1].startswith("train: "), lines

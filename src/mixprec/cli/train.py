@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mixprec.apps.progress import Progress
 from mixprec.cli.run_config import ConfigError, RunConfig, TaskConfig, load_config
 from mixprec.distributed.preemption import PREEMPTED_EXIT_CODE
 from mixprec.tasks import Task
@@ -89,21 +91,46 @@ class _Interrupt(TrainerCallback):
             signal.signal(signal.SIGINT, self._previous)
 
 
+class _SetUpShown(TrainerCallback):
+    """Ends the set-up's progress line when training begins (the Trainer's own bar takes over)."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.progress.close()
+
+
 def train_from_config(cfg: RunConfig, resume: bool = False) -> tuple[Trainer, str | None]:
     """Build the task and the Trainer from ``cfg`` and train; returns the trainer and what stopped it
-    early after writing a checkpoint: ``"Ctrl-C"``, ``"SIGTERM"`` (a preemption) or ``None``."""
-    built = build_task(cfg.task)
-    interrupt = _Interrupt()
-    trainer = Trainer(model=built.build_model(), args=cfg.training, train_dataset=built.train_dataset,
-                      eval_dataset=built.eval_dataset, data_collator=built.collate_fn,
-                      compute_metrics=built.compute_metrics,
-                      preprocess_logits_for_metrics=built.preprocess_logits_for_metrics, callbacks=[interrupt])
+    early after writing a checkpoint: ``"Ctrl-C"``, ``"SIGTERM"`` (a preemption) or ``None``.
+
+    Until the Trainer's progress bar starts, a line on stderr says what the set-up does (loading
+    the task, building the Trainer), on the main process and unless ``disable_tqdm``.
+    """
+    main_process = int(os.environ.get("RANK", "0")) == 0  # torchrun's: one line, not one per process
+    progress = Progress("train", enabled=main_process and not cfg.training.disable_tqdm)
     try:
-        trainer.train(resume_from_checkpoint=True if resume else None)
-    except SystemExit as e:  # the Trainer's exit after a SIGTERM, its checkpoint written
-        if e.code != PREEMPTED_EXIT_CODE:
-            raise
-        return trainer, "SIGTERM"
+        task = cfg.task.name or cfg.task.model or "the task"
+        progress.stage("loading the task", task)
+        built = build_task(cfg.task)
+        precision = cfg.training.precision
+        progress.stage("building the Trainer", f"{built.name}'s model" + (f", precision {precision}" if precision else ""))
+        interrupt = _Interrupt()
+        trainer = Trainer(model=built.build_model(), args=cfg.training, train_dataset=built.train_dataset,
+                          eval_dataset=built.eval_dataset, data_collator=built.collate_fn,
+                          compute_metrics=built.compute_metrics,
+                          preprocess_logits_for_metrics=built.preprocess_logits_for_metrics,
+                          callbacks=[interrupt, _SetUpShown(progress)])
+        progress.stage("starting the run", "from the newest checkpoint" if resume else "")
+        try:
+            trainer.train(resume_from_checkpoint=True if resume else None)
+        except SystemExit as e:  # the Trainer's exit after a SIGTERM, its checkpoint written
+            if e.code != PREEMPTED_EXIT_CODE:
+                raise
+            return trainer, "SIGTERM"
+    finally:
+        progress.close()
     return trainer, "Ctrl-C" if interrupt.requested else None
 
 

@@ -107,6 +107,16 @@ class ProgressCallback(TrainerCallback):
         if any(k.startswith("eval_") for k in logs):
             self.training_bar.write(" ".join(f"{k}={self._shown(v)}" for k, v in logs.items()))
 
+    def on_prediction_step(self, args, state, control, **kwargs):
+        # An evaluation inside training can take longer than many steps: say so on the bar (a line
+        # of its own in a log), where transformers opens a second bar.
+        if self.training_bar is not None and self.training_bar.desc != "train (evaluating)":
+            self.training_bar.set_description_str("train (evaluating)", refresh=True)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            self.training_bar.set_description_str("train", refresh=False)
+
     def _shown(self, value: Any) -> str:
         if isinstance(value, str) and len(value) > self.max_str_len:
             return f"[String too long to display, length: {len(value)} > {self.max_str_len}]"
