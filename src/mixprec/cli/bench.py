@@ -53,8 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="MODULE:FACTORY", help="your model factory (forward returns .loss)")
     p.add_argument("--data", metavar="MODULE:FACTORY", help=f"your data factory, returning {DATA_CONTRACT}")
     p.add_argument("--precisions", default=None,
-                   help=f"comma-separated precisions (default: {','.join(DEFAULT_PRECISIONS)}, less those this "
-                   "device runs impractically slowly, e.g. fp16-mixed on a CPU without an fp16 matrix kernel)")
+                   help=f"comma-separated precisions (default: {','.join(DEFAULT_PRECISIONS)}, less those whose matrix "
+                   "products fall back to a generic kernel here, said at the start: fp16-mixed on a CPU without "
+                   "AMX-FP16 or AVX512-FP16, bf16-mixed and bf16-true on one without AVX512)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per precision in each round (default 20)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of interleaving (default 3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per precision first (default 2)")
