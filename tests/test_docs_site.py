@@ -18,7 +18,7 @@ API = ROOT / "docs" / "api"
 #: ``__all__`` an entry (or is the same object as a name documented elsewhere).
 SUBMODULES = [
     "mixprec.accelerator", "mixprec.accelerator.handlers", "mixprec.checkpoint", "mixprec.diagnostics",
-    "mixprec.diagnostics.hf", "mixprec.distributed", "mixprec.integrations.engine_checkpoints", "mixprec.precision", "mixprec.precision.bf16_true",
+    "mixprec.diagnostics.hf", "mixprec.distributed", "mixprec.integrations.engine_checkpoints", "mixprec.lightning", "mixprec.precision", "mixprec.precision.bf16_true",
     "mixprec.precision.fp8", "mixprec.precision.optim", "mixprec.tasks", "mixprec.tracking", "mixprec.trainer",
 ]
 FIRST_COMMANDS = ('python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[plot]" && .venv/bin/mixprec demo\n'

@@ -219,3 +219,15 @@ def test_the_sharded_strategies_class_is_an_fsdp_precision_for_the_trainer_and_f
     assert MixprecFSDPPrecision("fp32").mixed_precision_config.param_dtype is None
     policy = MixprecPrecision("fp16-mixed").sharding_policy()  # for fully_shard under ModelParallelStrategy
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.float16, torch.float32)
+
+
+def test_a_checkpoint_of_lightnings_own_mixed_precision_resumes_its_scale(tmp_path):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    theirs = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3))
+    t, _ = fit(plugins=[theirs], data_loader=loader(overflow_at=9))
+    t.save_checkpoint(tmp_path / "theirs.ckpt")
+    ours = MixprecPrecision("fp16-mixed")
+    fit(plugins=[ours], max_epochs=1, ckpt_path=tmp_path / "theirs.ckpt")  # (the epoch is done: nothing trains)
+    assert ours.scaler.get_scale() == theirs.scaler.get_scale() < 2.0**20
+    assert ours.scaler.state_dict()["_growth_tracker"] == theirs.scaler.state_dict()["_growth_tracker"] > 0
