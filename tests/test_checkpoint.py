@@ -318,10 +318,12 @@ def test_a_file_another_writer_wrote_is_hashed_in_pieces_and_a_changed_piece_fai
         verify_checkpoint(final)
 
     manifest = json.loads((final / "manifest.json").read_text())
-    manifest["files"]["optimizer.pt"]["sha256_pieces"].pop()  # a row that cannot cover the file
-    (final / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match=r"the row of optimizer\.pt has no valid 'piece' and 'sha256_pieces'"):
-        read_manifest(final)
+    pieces = manifest["files"]["optimizer.pt"]["sha256_pieces"]
+    for bad in (pieces[:-1], [*pieces[:-1], "not a digest"], [*pieces[:-1], 7]):  # cannot cover the file; not hex
+        manifest["files"]["optimizer.pt"]["sha256_pieces"] = bad
+        (final / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointError, match=r"the row of optimizer\.pt has no valid 'piece' and 'sha256_pieces'"):
+            read_manifest(final)
 
 
 def test_a_range_of_a_file_hashes_as_its_bytes_and_a_range_past_the_end_as_what_is_there(tmp_path):

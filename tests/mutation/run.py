@@ -100,7 +100,8 @@ TARGETS: dict[str, Target] = {
     "scaled_steps": Target({"src/mixprec/precision/scaled_steps.py": None}, _PRECISION_TESTS),
     "folder": Target({"src/mixprec/checkpoint/folder.py": [
         "_fsync_dir", "staging_dir", "commit_checkpoint", "write_checkpoint", "read_manifest", "is_complete_checkpoint",
-        "checkpoint_problem", "_check_size", "numbered_checkpoints", "rotate_checkpoints", "verify_checkpoint",
+        "checkpoint_problem", "_check_size", "numbered_checkpoints", "rotate_checkpoints", "retire_checkpoint",
+        "remove_stale", "verify_checkpoint",
         "raise_first_problem", "CheckpointReader.__init__", "CheckpointReader.check", "CheckpointReader.read_bytes",
         "CheckpointReader.verify"]}, _CHECKPOINT_TESTS),
     "integrity": Target({"src/mixprec/checkpoint/integrity.py": None}, _CHECKPOINT_TESTS),
