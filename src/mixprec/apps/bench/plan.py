@@ -2,7 +2,7 @@
 loss, the memory processes) and the time left, shown on a :class:`~mixprec.apps.progress.Progress`.
 
 The time left is an estimate from what was measured so far in this run: each contestant's step
-time (its warm-up's, then its last round's), the time a contestant took to build and warm up,
+time (its fastest warm-up step's, then its last round's median), the time a contestant took to build and warm up,
 the last peak measurement. Before anything is measured it is not known, and said so.
 """
 
@@ -60,7 +60,8 @@ class BenchPlan:
         took = time.perf_counter() - self._began
         self.build_s[name] = took
         if times:  # none without a warm-up, or for the Hugging Face Trainer (it warms up in its run)
-            self.step_s[name] = statistics.median(times)
+            # The fastest: a warm-up's first steps pay one-time costs, which the rounds do not.
+            self.step_s[name] = min(times)
 
     def skipped(self, name: str) -> None:
         """``name`` will not run (it failed to build, or failed in a round)."""
