@@ -154,7 +154,7 @@ def format_table(result: dict[str, Any]) -> str:
     tokens = task["tokens_per_sample"]
     cfg = result["config"]
     sides = result["matmul_size"]
-    peaks = ", ".join(f"{k} {v:.2f} ({sides[k]}^3)" for k, v in result["matmul_peak_tflops"].items())
+    peaks = ", ".join(f"{k} {v:.3g} ({sides[k]}^3)" for k, v in result["matmul_peak_tflops"].items())
     lines = [
         f"{task['name']}: {task['description']}",
         f"{task['parameters']:,} parameters, batch {task['batch_size']}"
