@@ -231,3 +231,39 @@ def test_a_checkpoint_of_lightnings_own_mixed_precision_resumes_its_scale(tmp_pa
     fit(plugins=[ours], max_epochs=1, ckpt_path=tmp_path / "theirs.ckpt")  # (the epoch is done: nothing trains)
     assert ours.scaler.get_scale() == theirs.scaler.get_scale() < 2.0**20
     assert ours.scaler.state_dict()["_growth_tracker"] == theirs.scaler.state_dict()["_growth_tracker"] > 0
+
+
+@pytest.mark.parametrize(("precision", "required"), [("fp32", False), ("bf16-true", False), ("bf16-mixed", True),
+                                                     ("fp16-mixed", True)])
+def test_fabric_asks_for_fabric_backward_where_lightnings_own_plugin_would(precision, required):
+    with quiet():
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixprecPrecision(precision)])
+        model = fabric.setup_module(torch.nn.Linear(2, 2))
+        loss = model(torch.rand(2, 2)).float().sum()
+        if required:  # the loss is scaled, or autocast runs: as Lightning's MixedPrecision
+            with pytest.raises(RuntimeError, match=r"requires you to call `fabric.backward\(loss\)`"):
+                loss.backward()
+        else:  # as Lightning's Precision and HalfPrecision
+            loss.backward()
+        fabric.backward(model(torch.rand(2, 2)).float().sum())
+
+
+class _TakesKeywords(torch.optim.SGD):
+    seen: list = []
+
+    def step(self, closure=None, **kwargs):
+        self.seen.append(kwargs)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-mixed"])
+def test_the_trainers_keyword_arguments_to_optimizer_step_reach_the_optimizer(precision):
+    class Passes(Regression):
+        def optimizer_step(self, epoch, batch_idx, optimizer, closure, **_):
+            optimizer.step(closure, tag=batch_idx)
+
+    _TakesKeywords.seen = []
+    options = {"loss_scaler": {"init_scale": 1024.0}} if precision == "fp16-mixed" else {}  # (no skipped step)
+    fit(Passes(lambda params: _TakesKeywords(params, lr=0.05)), plugins=[MixprecPrecision(precision, **options)],
+        max_steps=2)
+    assert _TakesKeywords.seen == [{"tag": 0}, {"tag": 1}]

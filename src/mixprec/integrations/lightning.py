@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ from mixprec.precision.scaler import LossScaleCollapse, LossScaler
 
 try:
     import lightning.pytorch as pl
+    from lightning.fabric.plugins.precision import Precision as FabricPrecision
     from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -178,9 +180,22 @@ class MixprecPrecision(Precision):
             self._models.append(module)
         if setup is not None:
             self._fabric = setup.fabric
+            self._settle_backward()
             for optimizer in setup.optimizers:
                 self._adopt(optimizer)
         return module
+
+    def _settle_backward(self) -> None:
+        """Fabric refuses a plain ``loss.backward()`` where the plugin overrides its backward hooks
+        (it reads the methods, as Lightning's ``is_overridden``). Where neither a loss scale nor
+        autocast is involved (fp32, bf16-true: where Lightning's own plugins allow it) the plugin
+        shows Fabric's own hooks, which are what it would run there anyway."""
+        plain = self._fabric is not None and self.plugin.steps is None and not self.plugin.policy.autocast_enabled
+        for name in ("pre_backward", "backward", "post_backward"):
+            if plain:
+                self.__dict__[name] = types.MethodType(getattr(FabricPrecision, name), self)
+            else:
+                self.__dict__.pop(name, None)
 
     def tensor_init_context(self) -> Any:
         """Tensors are made as they would be (the precision converts the module afterwards)."""
@@ -321,6 +336,7 @@ class MixprecPrecision(Precision):
         """Train on in ``name`` (the loss scaler stays behind unless ``config`` gives one)."""
         self.plugin.release()
         self.plugin = self._make(name, self.plugin.device, config or self._config.replace(loss_scaler=None))
+        self._settle_backward()
         for optimizer in self._optimizers:
             self.plugin.track_optimizer(optimizer)
 

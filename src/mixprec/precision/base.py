@@ -162,7 +162,7 @@ class PrecisionPlugin:
         if self.steps is not None:
             return self.steps.optimizer_step(optimizer, closure, **kwargs)
         if kwargs:
-            return optimizer.step(closure, **kwargs)
+            return optimizer.step(closure=closure, **kwargs)
         return optimizer_calls.step(optimizer, closure)  # torch's step, less what nothing observes
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:

@@ -45,17 +45,17 @@ def step(optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
     """``optimizer.step(closure)``: alike parameter groups stepped as one, torch's step function
     called directly where nothing observes its wrapper (see the module)."""
     if _observed(optimizer) or torch.compiler.is_compiling():  # (a compiled step guards on the groups it saw)
-        return optimizer.step(closure) if closure is not None else optimizer.step()
+        return optimizer.step(closure=closure) if closure is not None else optimizer.step()
     direct = _step_function(optimizer)
     call = optimizer.step if direct is None else direct.__get__(optimizer)
     groups = optimizer.param_groups
     if len(groups) < 2 or type(optimizer) not in _MERGEABLE or not _alike(groups):
-        return call(closure) if closure is not None else call()
+        return call(closure=closure) if closure is not None else call()
     merged = dict(groups[0])
     merged["params"] = [p for g in groups for p in g["params"]]
     optimizer.param_groups = [merged]
     try:
-        return call(closure) if closure is not None else call()
+        return call(closure=closure) if closure is not None else call()
     finally:
         optimizer.param_groups = groups
 
