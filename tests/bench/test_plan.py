@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from mixprec.apps.bench import BenchConfig, run_bench
 from mixprec.apps.progress import Progress
 
@@ -20,6 +22,7 @@ SMALL = ["--size", "tiny", "--steps", "2", "--rounds", "2", "--warmup", "1", "--
          "--device", "cpu"]
 
 
+@pytest.mark.slow
 def test_the_default_on_the_emulated_path_leaves_out_each_format_without_a_kernel_and_shows_progress_first(tmp_path):
     env = {**os.environ, **AVX2, "PYTHONUNBUFFERED": "1"}  # stdout and stderr in the order written
     t0 = time.perf_counter()
