@@ -126,7 +126,8 @@ def _run_bench(config: BenchConfig, progress: Progress) -> dict[str, Any]:
         progress.note(line)
     notes = left_out + [f"{p} is emulated here: {cap.reasons[p]}" for p in config.precisions
                         if cap.support.get(p) == "emulated" and p in cap.reasons]
-    rows: dict[str, dict[str, Any]] = dict(_mixprec_rows(config))
+    mixprec_rows = _mixprec_rows(config)
+    rows: dict[str, dict[str, Any]] = dict(mixprec_rows)
     compared = []
     for c in config.compare:
         precision = compare_precision(config.precisions, c)
@@ -138,7 +139,7 @@ def _run_bench(config: BenchConfig, progress: Progress) -> dict[str, Any]:
     runners: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # said once, in the notes
-        for name, row in list(rows.items())[:len(rows) - len(compared)]:
+        for name, row in mixprec_rows:
             _start(row, runners, name, lambda row=row: mixprec_runner(job, row["precision"], config, device,
                                                                        row.get("compensation")), device, config, plan)
         for c, precision, name in compared:
