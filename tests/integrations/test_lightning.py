@@ -267,3 +267,13 @@ def test_the_trainers_keyword_arguments_to_optimizer_step_reach_the_optimizer(pr
     fit(Passes(lambda params: _TakesKeywords(params, lr=0.05)), plugins=[MixprecPrecision(precision, **options)],
         max_steps=2)
     assert _TakesKeywords.seen == [{"tag": 0}, {"tag": 1}]
+
+
+def test_fabric_init_module_makes_bf16_true_weights_in_bf16_and_keeps_norms_fp32():
+    with quiet():
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixprecPrecision("bf16-true")])
+        with fabric.init_module():
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        assert model[0].weight.dtype == torch.bfloat16 and torch.get_default_dtype() == torch.float32
+        model = fabric.setup_module(model)
+    assert model.module[1].weight.dtype == torch.float32

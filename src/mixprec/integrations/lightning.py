@@ -17,10 +17,11 @@ Sharded training (``FSDPStrategy``, ``ModelParallelStrategy``) is
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -198,12 +199,14 @@ class MixprecPrecision(Precision):
                 self.__dict__.pop(name, None)
 
     def tensor_init_context(self) -> Any:
-        """Tensors are made as they would be (the precision converts the module afterwards)."""
-        return Precision.tensor_init_context(self)
+        """Floating tensors made inside (``fabric.init_module()``, the Trainer's ``configure_model``)
+        are made in the precision's parameter dtype (bf16 for bf16-true, as Lightning's
+        ``HalfPrecision`` makes them; ``convert_module`` then keeps the normalisation layers fp32)."""
+        return _default_dtype(self.plugin.policy.param_dtype)
 
     def module_init_context(self) -> Any:
-        """Modules are made as they would be (the precision converts them afterwards)."""
-        return Precision.module_init_context(self)
+        """As :meth:`tensor_init_context`."""
+        return self.tensor_init_context()
 
     def forward_context(self) -> Any:
         """The precision's forward context (autocast for the mixed precisions and fp8)."""
@@ -461,6 +464,16 @@ class MixprecPrecision(Precision):
 def _trainer_of(module: Any) -> Any:
     """The Trainer driving ``module`` (a LightningModule attached to one), else ``None`` (Fabric)."""
     return module._trainer if isinstance(module, pl.LightningModule) else None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _default_device() -> str:
