@@ -5,22 +5,29 @@ out evaluations and checkpoints (``mixprec demo`` is its face, :mod:`mixprec.cli
 A run on a time budget is as fair as one on a step budget: its learning rate follows a cosine
 over the *seconds* spent (after a short warm-up in steps), so a faster precision takes more
 steps down the same curve, and the run ends, evaluated and saved, when its seconds are spent.
+
+The underflow lesson's runs take their loss as a large optimizer step does (``step_tokens``):
+averaged over that many tokens, so that each token's gradient is as small as it is in such a
+step, and they record their gradients against fp16's number line (:class:`GradientStats`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mixprec.diagnostics import GradientStats
 from mixprec.trainer import Trainer, TrainerCallback
 
-__all__ = ["EVAL_BLOCKS", "TrainingClock", "demo_task", "held_out_line", "next_byte_accuracy", "predicted_line",
-           "time_cosine_schedule", "train_in_fresh_process", "train_run"]
+__all__ = ["EVAL_BLOCKS", "DemoRun", "GradientRecorder", "TrainingClock", "demo_task", "gradient_summary",
+           "held_out_line", "next_byte_accuracy", "predicted_line", "time_cosine_schedule", "train_in_fresh_process", "train_run"]
 
 #: Validation blocks every run of the demo is evaluated on: the same fixed slice for each, small
 #: enough that an evaluation costs a second, not the minute the whole validation split took.
@@ -48,6 +55,7 @@ class TrainingClock(TrainerCallback):
         self.intervals: list[float] = []
         self.seconds: dict[int, float] = {}
         self.clock = 0.0  # training seconds so far
+        self.excluded = 0.0  # seconds spent in this step that are not training's (a gradient record's)
         self._last = self._begin = None
         self._paused = False
         self._shown = -math.inf
@@ -62,10 +70,11 @@ class TrainingClock(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
         if self._paused:  # an evaluation or a save ran since the last step: count this step alone
-            self.clock += now - self._begin
+            self.clock += now - self._begin - self.excluded
         else:
-            self.intervals.append(now - self._last)
-            self.clock += now - self._last
+            self.intervals.append(now - self._last - self.excluded)
+            self.clock += now - self._last - self.excluded
+        self.excluded = 0.0
         self.seconds[state.global_step] = self.clock
         self._last, self._paused = now, False
         spent = self.budget is not None and self.clock >= self.budget
@@ -102,17 +111,121 @@ def time_cosine_schedule(optimizer: torch.optim.Optimizer, clock: TrainingClock,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-class _TimedTrainer(Trainer):
-    """The Trainer, with the learning rate on :func:`time_cosine_schedule` of its clock."""
+@dataclass(frozen=True, kw_only=True)
+class DemoRun:
+    """One training run of the demo.
 
-    def __init__(self, *args: Any, clock: TrainingClock, **kwargs: Any) -> None:
-        self.clock = clock
+    Args:
+        name: what the demo calls it (``"fp32"``, ``"fp16-unscaled"``); also its progress label.
+        precision: the Trainer's precision.
+        size: the pycode model size.
+        budget: a float is seconds of training (the learning rate follows them); an int is a
+            number of optimizer steps (transformers' cosine schedule over them).
+        out: its run folder.
+        step_tokens: average each step's loss over this many tokens, as an optimizer step of that
+            many tokens does (``None``: over the batch's own); the gradient-norm clip is scaled
+            alike, so that fp32 clips the same steps.
+        loss_scaler: :class:`~mixprec.LossScaler` arguments (``{"enabled": False}``: none).
+        observe_every: record the gradients every this many steps (0: never).
+        label: its progress lines' label (default: ``name``).
+        lr_factors: the learning rate of each step, as a fraction of the peak: another run's
+            (``train_run``'s ``"lr_factors"``), so that a run of its steps follows it exactly, as a
+            run on a time budget's schedule cannot be computed ahead.
+
+    Example:
+        >>> DemoRun(name="fp32", precision="fp32", size="tiny", budget=10, out="runs/x").budget
+        10
+    """
+
+    name: str
+    precision: str
+    size: str
+    budget: float | int
+    out: str
+    step_tokens: int | None = None
+    loss_scaler: dict[str, Any] | None = None
+    observe_every: int = 0
+    label: str = ""
+    lr_factors: tuple[float, ...] | None = None
+
+
+class GradientRecorder(TrainerCallback):
+    """Records the gradients about to be applied (unscaled, clipped) against fp16's number line, as
+    they are and at the loss scale in force (:class:`~mixprec.diagnostics.GradientStats`): what
+    fp16 flushed, or would have. Every ``every`` optimizer steps for the first ten records, then
+    every ``5 * every`` (a record costs about as much as an fp32 step of the demo's model); the
+    seconds it takes are left out of ``clock``'s training time."""
+
+    def __init__(self, model: torch.nn.Module, every: int, scaler: Any = None, clock: TrainingClock | None = None
+                 ) -> None:
+        self.stats = GradientStats(model, every_n_steps=1, scale_source=scaler, history=10_000)
+        self.every, self.clock = every, clock
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        step = state.global_step + 1
+        if step % self.every or (step > 10 * self.every and step % (5 * self.every)):
+            return
+        begin = time.perf_counter()
+        # The Trainer clipped (so unscaled) the gradients just before: they carry no scale.
+        self.stats.observe(step)
+        if self.clock is not None:
+            self.clock.excluded += time.perf_counter() - begin
+
+
+def _step_cosine_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """transformers' ``get_cosine_schedule_with_warmup``, written out: the Trainer's ``"cosine"``
+    imports transformers where it is installed, seconds in every fresh process of the demo."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class _DemoTrainer(Trainer):
+    """The Trainer, with the learning rate on :func:`time_cosine_schedule` of its clock (where the
+    run has a time budget), and the loss for backward multiplied by ``loss_factor`` (its logged
+    value left as the model computed it)."""
+
+    def __init__(self, *args: Any, clock: TrainingClock | None = None, loss_factor: float = 1.0,
+                 lr_factors: tuple[float, ...] | None = None, **kwargs: Any) -> None:
+        self.clock, self.loss_factor, self.lr_factors = clock, loss_factor, lr_factors
+        self.lrs_used: list[float] = []  # the learning rate of each step, as the optimizer had it
         super().__init__(*args, **kwargs)
+        self.add_callback(_LearningRates(self))
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         if self.lr_scheduler is None:
-            self.lr_scheduler = time_cosine_schedule(optimizer or self.optimizer, self.clock)
+            optimizer = optimizer or self.optimizer
+            if self.lr_factors:
+                factors = self.lr_factors
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: factors[min(s, len(factors) - 1)])
+            elif self.clock is not None:
+                self.lr_scheduler = time_cosine_schedule(optimizer, self.clock)
+            else:
+                self.lr_scheduler = _step_cosine_schedule(optimizer, num_training_steps, self.args.warmup_steps)
         return self.lr_scheduler
+
+    def training_step(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        if self.loss_factor == 1.0:
+            return super().training_step(model, inputs)
+        if not model.training:
+            model.train()
+        loss = self.compute_loss(model, inputs)
+        self.accelerator.backward(loss * self.loss_factor)
+        return loss.detach().float()
+
+
+class _LearningRates(TrainerCallback):
+    """Records the learning rate each optimizer step uses (skipped steps included), into its
+    trainer's ``lrs_used``."""
+
+    def __init__(self, trainer: _DemoTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer.lrs_used.append(self.trainer.optimizer.param_groups[0]["lr"])
 
 
 def demo_task(size: str, train_bytes: int | None, eval_bytes: int | None) -> Any:
@@ -123,13 +236,22 @@ def demo_task(size: str, train_bytes: int | None, eval_bytes: int | None) -> Any
     return get_task("pycode", size, **options)
 
 
-def train_run(size: str, data: tuple[int | None, int | None], precision: str, budget: float | int, out: str,
-              batch_size: int, progress: bool, label: str = "train") -> dict[str, Any]:
-    """One training run of the demo's GPT on pycode in ``precision``, meant to run in a fresh
-    process so its peak memory is its own; returns its throughput, memory, losses and curves.
+def _adamw(model: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
+    """The Trainer's ``adamw_torch_fused`` with Hugging Face's two groups, which for this GPT are
+    nanoGPT's: weight decay on the matrices and embeddings, none on biases and layer norms. (Built
+    here because the Trainer reads that rule from transformers where it is installed, importing it:
+    seconds in every fresh process of the demo.)"""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                             fused=True)
 
-    ``budget``: a float is seconds of training (the learning rate follows them); an int is a
-    number of optimizer steps (transformers' cosine schedule over them)."""
+
+def train_run(run: DemoRun, data: tuple[int | None, int | None], batch_size: int, progress: bool) -> dict[str, Any]:
+    """One training run of the demo's GPT on pycode (``run`` says which), meant to run in a fresh
+    process so its peak memory is its own; returns its throughput, memory, losses, curves, loss
+    scale and, where ``run.observe_every``, what its gradients were against fp16's range."""
     import resource
     import statistics
     import warnings
@@ -139,27 +261,36 @@ def train_run(size: str, data: tuple[int | None, int | None], precision: str, bu
     from mixprec.trainer.checkpoints import list_checkpoints
 
     warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # the parent process said it once already
-    task = demo_task(size, *data)
-    timed = isinstance(budget, float)
-    clock = TrainingClock(budget if timed else None, label=label, progress=progress)
+    task = demo_task(run.size, *data)
+    timed = isinstance(run.budget, float)
+    clock = TrainingClock(run.budget if timed else None, label=run.label or run.name, progress=progress)
     eval_slice = torch.utils.data.Subset(task.eval_dataset, range(min(EVAL_BLOCKS, len(task.eval_dataset))))
-    steps = 10**7 if timed else budget  # a timed run ends by its clock
+    steps = 10**7 if timed else run.budget  # a timed run ends by its clock
+    tokens = batch_size * task.train_dataset.block_size
+    factor = tokens / run.step_tokens if run.step_tokens else 1.0
     targs = TrainingArguments(
-        output_dir=out, precision=precision, max_steps=steps, per_device_train_batch_size=batch_size,
+        output_dir=run.out, precision=run.precision, max_steps=steps, per_device_train_batch_size=batch_size,
         per_device_eval_batch_size=32, learning_rate=3e-3, lr_scheduler_type="cosine",
         warmup_steps=min(WARMUP_STEPS, steps // 10), weight_decay=0.1, optim="adamw_torch_fused",
         eval_strategy="no" if timed else "steps", eval_steps=max(1, steps // 4), save_strategy="steps",
-        save_steps=steps, logging_steps=10 if timed else max(1, steps // 50), seed=0, disable_tqdm=True,
-        # The gradient statistics the doctor reads (fp16 flush fractions), a few times a run:
-        # where a loss scaler runs, they say what it saved.
-        diagnostics_steps=50 if timed else max(1, steps // 8))
+        save_steps=steps, logging_steps=10 if timed else max(1, min(10, steps // 10)), seed=0, disable_tqdm=True,
+        max_grad_norm=1.0 * factor, loss_scaler=run.loss_scaler)
     torch.manual_seed(0)
-    cls, more = (_TimedTrainer, {"clock": clock}) if timed else (Trainer, {})
-    trainer = cls(model=task.build_model(), args=targs, train_dataset=task.train_dataset, eval_dataset=eval_slice,
-                  data_collator=task.collate_fn, compute_metrics=task.compute_metrics,
-                  preprocess_logits_for_metrics=task.preprocess_logits_for_metrics, callbacks=[clock], **more)
+    model = task.build_model()
+    trainer = _DemoTrainer(model=model, args=targs, train_dataset=task.train_dataset, eval_dataset=eval_slice,
+                           data_collator=task.collate_fn, compute_metrics=task.compute_metrics,
+                           preprocess_logits_for_metrics=task.preprocess_logits_for_metrics, callbacks=[clock],
+                           clock=clock if timed else None, loss_factor=factor, lr_factors=run.lr_factors,
+                           optimizers=(_adamw(model, targs), None))
     trainer.remove_callback(PrinterCallback)  # the clock's lines say what a log would
     trainer.remove_callback(ProgressCallback)
+    scaler = trainer.accelerator.scaler
+    scaler = scaler if scaler is not None and scaler.is_enabled() else None
+    recorder = GradientRecorder(model, run.observe_every, scaler, clock) if run.observe_every else None
+    if run.loss_scaler is not None and run.loss_scaler.get("enabled") is False:  # on purpose: the demo says so
+        logging.getLogger("mixprec.trainer").addFilter(lambda r: "precision in force" not in r.getMessage())
+    if recorder is not None:
+        trainer.add_callback(recorder)
     device = trainer.accelerator.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -169,15 +300,18 @@ def train_run(size: str, data: tuple[int | None, int | None], precision: str, bu
     else:
         peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of the run's own process"
     hist = trainer.state.log_history
-    scaler = trainer.accelerator.scaler
     final_eval = [h for h in hist if "eval_loss" in h][-1]
     step_s = statistics.median(clock.intervals) if clock.intervals else float("nan")
-    flush = [h for h in hist if "grad_fp16_flush" in h]
     return {
+        "name": run.name,
         "precision": trainer.accelerator.policy.name,
+        "size": run.size,
+        "budget": run.budget,
+        "step_tokens": run.step_tokens or tokens,
+        "batch_tokens": tokens,
         "steps": result.global_step,
         "median_step_seconds": step_s,
-        "tokens_per_second": batch_size * task.train_dataset.block_size / step_s,
+        "tokens_per_second": tokens / step_s,
         "peak_memory_mb": peak / 2**20,
         "memory_kind": kind,
         "final_eval_loss": final_eval["eval_loss"],
@@ -188,11 +322,46 @@ def train_run(size: str, data: tuple[int | None, int | None], precision: str, bu
         "seconds": clock.seconds,
         "scale_history": [(i + 1, s, k) for i, (s, k) in enumerate(scaler.scale_history)] if scaler else None,
         "skipped_steps": scaler.skipped_steps if scaler else 0,
-        # The worst layer's fraction of gradient values fp16 flushes to zero: without the scale, and at it.
-        "flush": [(h["step"], h["grad_fp16_flush"], h["grad_fp16_flush_at_scale"], h["grad_fp16_flush_worst_module"])
-                  for h in flush],
-        "checkpoint": str(list_checkpoints(Path(out))[-1]),
+        "growth_interval": scaler.get_growth_interval() if scaler else None,
+        "grads": gradient_summary(recorder.stats) if recorder is not None else None,
+        "checkpoint": str(list_checkpoints(Path(run.out))[-1]),
+        "lr_factors": tuple(lr / targs.learning_rate for lr in trainer.lrs_used),
     }
+
+
+def gradient_summary(stats: GradientStats) -> dict[str, Any] | None:
+    """What ``stats`` saw, over every observed step: the shares of all gradient values that were
+    zero, that fp16 would flush to zero as they are, and at the loss scale in force; the module
+    that lost most; and the last clean step's records for the histogram (``plot_demo``). Syncs."""
+    records = stats.report()
+    if not records:
+        return None
+    totals = {"numel": 0, "zero": 0.0, "flush": 0.0, "flush_at_scale": 0.0}
+    modules: dict[str, list[float]] = {}
+    for rec in records:
+        for name, entry in rec["modules"].items():
+            n = entry["numel"]
+            u, a = entry["unscaled"], entry["at_scale"]
+            lost = (u["zero"] + u["fp16"]["flush"]) * n
+            totals["numel"] += n
+            totals["zero"] += u["zero"] * n
+            totals["flush"] += u["fp16"]["flush"] * n
+            totals["flush_at_scale"] += a["fp16"]["flush"] * n
+            row = modules.setdefault(name or "(root)", [0.0, 0.0])
+            row[0] += lost
+            row[1] += n
+    numel = max(totals.pop("numel"), 1)
+    first = records[0]
+    n_first = sum(e["numel"] for e in first["modules"].values())
+    first_at_scale = sum(e["at_scale"]["fp16"]["flush"] * e["numel"] for e in first["modules"].values()) / max(n_first, 1)
+    worst = max(modules.items(), key=lambda kv: kv[1][0] / kv[1][1])
+    clean = [r for r in records if all(e["unscaled"]["nan"] == 0 and e["unscaled"]["fp16"]["overflow"] == 0
+                                       for e in r["modules"].values())] or records
+    return {**{k: v / numel for k, v in totals.items()}, "steps_observed": len(records),
+            "first": {"step": first["step"], "scale": first["scale"], "flush_at_scale": first_at_scale},
+            "worst_module": worst[0], "worst_module_lost": worst[1][0] / worst[1][1],
+            "histogram": {"stats": clean[-1:], "hist_edges": stats.hist_edges, "step": clean[-1]["step"],
+                          "scale": clean[-1]["scale"]}}
 
 
 @torch.no_grad()

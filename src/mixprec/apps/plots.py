@@ -97,7 +97,8 @@ def _draw_losses(ax: Any, train: Mapping[str, Sequence[tuple[int, float]]],
     colors = {}
     for name, points in train.items():
         if xy := at(name, points):
-            (line,) = ax.plot(*zip(*xy), label=f"{name} (train)", linewidth=1.4)
+            # (few points, a short run's: marked, so that even one shows)
+            (line,) = ax.plot(*zip(*xy), ".-" if len(xy) < 20 else "-", label=f"{name} (train)", linewidth=1.4)
             colors[name] = line.get_color()
     for name, points in evaluation.items():
         if xy := at(name, points):
@@ -126,52 +127,114 @@ def plot_loss_scale(history: Sequence[tuple[int, float, bool]], path: str | Path
     return _save(fig, ax, path, title=title, xlabel="optimizer step", ylabel="loss scale (log2)", grid={"which": "both"})
 
 
-def plot_demo(reference: Mapping[str, Any], mixed: Mapping[str, Any], path: str | Path, *, title: str) -> Path:
-    """``mixprec demo``'s one figure: on the left both runs' loss against seconds of training (the
-    same seconds each: who learned more in them); on the right, where the mixed run had a loss
-    scaler, its scale over the steps with the skipped steps marked and the underflow it prevented,
-    else each run's throughput.
+def plot_demo(speed: Sequence[Mapping[str, Any]], lesson: Mapping[str, Mapping[str, Any]] | None, path: str | Path,
+              *, raced: bool, title: str, native_figure: str = "") -> Path:
+    """``mixprec demo``'s one figure, from its run: where 16-bit speed comes from (top left), and
+    where the underflow lesson ran, its three runs' losses (top right), the loss scale over the
+    steps (bottom left) and the gradients against fp16's range before and after scaling (bottom
+    right, :func:`plot_gradient_histogram`'s drawing).
 
     Args:
-        reference, mixed: :func:`mixprec.apps.demo.train_run`'s results (``precision``, ``train``,
-            ``eval``, ``seconds``, ``tokens_per_second``, ``scale_history``, ``flush``).
+        speed: the two runs of the speed comparison, fp32 first
+            (:func:`mixprec.apps.demo.train_run`'s results).
+        lesson: ``"fp32"``, ``"fp16-mixed"`` and ``"fp16-unscaled"`` -> their results (``grads``,
+            ``scale_history`` on the scaled one), or ``None`` where the lesson did not run.
         path: the PNG to write.
-        title: the left panel's title.
+        raced: the speed runs had the same seconds each (loss against seconds is drawn); else the
+            same steps (the seconds each took are drawn as bars).
+        title: the figure's title.
+        native_figure: where 16-bit is native, what it gives (written under the bars).
+
+    Example:
+        >>> plot_demo([fp32, bf16], None, "demo.png", raced=True, title="pycode")  # doctest: +SKIP
     """
-    fig, (left, right) = _figure((13, 4.5), panels=2)
-    runs = {r["precision"]: r for r in (reference, mixed)}
-    _draw_losses(left, {n: r["train"] for n, r in runs.items()}, {n: r["eval"] for n, r in runs.items()},
-                 {n: r["seconds"] for n, r in runs.items()})
-    _label(left, title=title, ylabel="loss (nats per byte; lower is better)",
-           xlabel="seconds of training (evaluations and checkpoints left out)")
-    history = mixed.get("scale_history")
-    if history:
-        steps, scales, _ = zip(*history)
-        right.step(steps, scales, where="post", label="loss scale", linewidth=1.4)
-        bad = [(st, v) for st, v, k in history if k]
-        if bad:
-            right.scatter(*zip(*bad), color="red", zorder=3, s=18,
-                          label=f"skipped step (inf/NaN gradients): {len(bad)}")
-        if mixed.get("flush"):
-            worst = max(mixed["flush"], key=lambda r: r[1])
-            right.plot([], [], " ", label=f"without it, {worst[1]:.1%} of layer {worst[3]}'s\n"
-                                          "gradient values would flush to 0 in fp16")
-        right.set_yscale("log", base=2)
-        _label(right, title="fp16's loss scale: the loss (so each gradient) is multiplied by it before backward",
-               xlabel="optimizer step", ylabel="loss scale (log2)", grid={"which": "both"})
+    rows = 2 if lesson else 1
+    fig = _figure((14, 4.6 * rows + 0.6))[0]
+    fig.clear()
+    axes = fig.subplots(rows, 2, squeeze=False)
+    fig.suptitle(title, fontsize=13)
+    _draw_speed(axes[0][0], speed, raced, native_figure)
+    if lesson:
+        _draw_lesson_losses(axes[0][1], lesson)
+        scaled = lesson["fp16-mixed"]
+        _draw_scale(axes[1][0], scaled)
+        grads = scaled.get("grads")
+        if grads:
+            probe = grads["histogram"]
+            lost = (lesson["fp16-unscaled"].get("grads") or {}).get("zero")
+            _draw_gradient_histogram(axes[1][1], probe, scale=probe["scale"])
+            note = f"in fp16 without loss scaling, {lost:.0%} of the gradient values were 0" if lost is not None else ""
+            _label(axes[1][1], title=f"the gradients at step {probe['step']} against fp16's number line\n{note}",
+                   xlabel="log2 |gradient value|", ylabel="fraction of gradient values",
+                   legend={"loc": "center right", "fontsize": 8})
     else:
-        names = list(runs)
-        speeds = [runs[n]["tokens_per_second"] for n in names]
-        bars = right.bar(names, speeds, color=["tab:blue", "tab:orange"][: len(names)])
-        for bar, speed in zip(bars, speeds):
-            right.annotate(f"{speed / speeds[0]:.2f}x", (bar.get_x() + bar.get_width() / 2, speed), ha="center",
-                           va="bottom")
-        right.plot([], [], " ", label="speed-up over fp32 written on each bar")
-        _label(right, title="throughput", xlabel="precision", ylabel="tokens per second (higher is better)")
+        axes[0][1].set_axis_off()
+        axes[0][1].text(0.5, 0.5, "the underflow lesson did not run (--lesson-steps 0)", ha="center", va="center")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
     return path
+
+
+def _draw_speed(ax: Any, runs: Sequence[Mapping[str, Any]], raced: bool, native_figure: str) -> None:
+    """The speed comparison: loss against seconds (the same seconds each), or the seconds the same
+    steps took, as bars with the ratio written on them."""
+    ylabel = "loss (nats per byte; lower is better)"
+    if raced:
+        _draw_losses(ax, {r["name"]: r["train"] for r in runs}, {r["name"]: r["eval"] for r in runs},
+                     {r["name"]: r["seconds"] for r in runs})
+        ratio = runs[-1]["tokens_per_second"] / runs[0]["tokens_per_second"]
+        _label(ax, title=f"the same seconds each: {runs[-1]['name']} trained {ratio:.2f}x the tokens/s of fp32",
+               ylabel=ylabel, xlabel="seconds of training (evaluations and checkpoints left out)")
+        return
+    names = [r["name"] for r in runs]
+    secs = [r["training_seconds"] for r in runs]
+    bars = ax.barh(names, secs, color=["tab:blue", "tab:orange"][: len(runs)])
+    for bar, sec in zip(bars, secs):
+        ax.annotate(f" {sec:.1f} s ({sec / secs[0]:.1f}x fp32's)", (sec, bar.get_y() + bar.get_height() / 2),
+                    va="center", fontsize=9)
+    ax.set_xlim(0, max(secs) * 1.45)
+    ax.invert_yaxis()
+    if native_figure:
+        ax.plot([], [], " ", label="\n".join(_wrap(native_figure, 60)))
+    _label(ax, title=f"the same {runs[-1]['steps']} steps each: the seconds they took here (16-bit is emulated)",
+           xlabel="seconds of training (evaluations and checkpoints left out)", ylabel="precision",
+           legend={"loc": "lower right", "fontsize": 8})
+
+
+def _draw_lesson_losses(ax: Any, lesson: Mapping[str, Mapping[str, Any]]) -> None:
+    """The lesson's three runs, loss against step."""
+    _draw_losses(ax, {_LESSON_LABELS[n]: r["train"] for n, r in lesson.items()},
+                 {_LESSON_LABELS[n]: r["eval"] for n, r in lesson.items()}, None)
+    run = lesson["fp16-mixed"]
+    _label(ax, title=f"the same {run['steps']} steps each, the loss averaged over {run['step_tokens']:,} tokens\n"
+                     "(each token's gradient as small as in a pretraining step that large)",
+           xlabel="optimizer step", ylabel="loss (nats per byte; lower is better)", legend={"fontsize": 8})
+
+
+_LESSON_LABELS = {"fp32": "fp32", "fp16-mixed": "fp16-mixed, loss scaled", "fp16-unscaled": "fp16, no loss scaling"}
+
+
+def _draw_scale(ax: Any, run: Mapping[str, Any]) -> None:
+    """The loss scale over the steps, the skipped (overflow) steps marked."""
+    history = run.get("scale_history") or []
+    if history:
+        steps, scales, _ = zip(*history)
+        ax.step(steps, scales, where="post", label="loss scale", linewidth=1.4)
+        bad = [(st, v) for st, v, k in history if k]
+        if bad:
+            ax.scatter(*zip(*bad), color="red", zorder=3, s=18,
+                       label=f"overflow: step skipped, scale halved ({len(bad)})")
+    ax.set_yscale("log", base=2)
+    grow = run.get("growth_interval")
+    _label(ax, title=f"fp16's loss scale: doubled after {grow} clean steps, halved on overflow",
+           xlabel="optimizer step", ylabel="loss scale (log2)", grid={"which": "both"}, legend={"fontsize": 8})
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)
 
 
 def _total_hist(probe: dict[str, Any], which: str) -> tuple[list[int], int, int]:
@@ -193,13 +256,20 @@ def plot_gradient_histogram(probe: dict[str, Any], path: str | Path, *, scale: f
     The fp16 subnormal band, its flush-to-zero threshold and its overflow limit are marked; bf16
     shares fp32's exponent range, which reaches far past both ends of the plot.
     """
+    fig, ax = _figure((9, 5.4))
+    _draw_gradient_histogram(ax, probe, scale=scale)
+    return _save(fig, ax, path, title=title, xlabel="log2 |gradient value|", ylabel="fraction of gradient values",
+                 legend={"loc": "upper center", "bbox_to_anchor": (0.5, -0.14), "ncol": 3, "fontsize": 8})
+
+
+def _draw_gradient_histogram(ax: Any, probe: dict[str, Any], *, scale: float) -> None:
+    """:func:`plot_gradient_histogram`'s drawing, on ``ax`` (unlabelled)."""
     edges = probe["hist_edges"]
     lo, hi = edges[0], edges[-1]
     # Bin i covers (2**(x-1), 2**x]: draw it at its upper edge; the end bins hold everything beyond.
     xs = [lo] + edges[1:] + [hi + 1]
-    fig, ax = _figure((9, 5.4))
     for which, label, color in (("unscaled", "gradients as they are", "0.45"),
-                                ("at_scale", f"x loss scale {scale:g} (2^{math.log2(scale):g})", "tab:blue")):
+                                ("at_scale", f"x loss scale 2^{math.log2(scale):g} ({scale:,.0f})", "tab:blue")):
         hist, zeros, total = _total_hist(probe, which)
         if not hist:
             continue
@@ -217,8 +287,6 @@ def plot_gradient_histogram(probe: dict[str, Any], path: str | Path, *, scale: f
                 "both ends lie far outside this plot", xy=(0.02, 0.97), xycoords="axes fraction", va="top", fontsize=8,
                 bbox={"boxstyle": "round", "fc": "white", "ec": "0.7"})
     ax.set_xlim(lo - 1, hi + 2)
-    return _save(fig, ax, path, title=title, xlabel="log2 |gradient value|", ylabel="fraction of gradient values",
-                 legend={"loc": "upper center", "bbox_to_anchor": (0.5, -0.14), "ncol": 3, "fontsize": 8})
 
 
 def plot_layer_underflow(layers: list[dict[str, Any]], path: str | Path, *, scale: float, title: str,

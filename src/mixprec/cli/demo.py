@@ -1,13 +1,18 @@
-"""``mixprec demo``: what mixed precision does for training here, in about three minutes.
+"""``mixprec demo``: the mixed-precision lesson, measured in this run, in about two and a half minutes.
 
-Trains the built-in ``pycode`` GPT in mixed precision beside fp32, for the same seconds on the
-same data, then prints a summary and writes a run folder. Where ``auto`` finds no native 16-bit
-format, the mixed run is fp16-mixed, so the loss scaler's work is shown on every machine.
+The lesson in its order: 16-bit makes training faster where the hardware has it; fp16's range is
+narrow; small gradient values fall to zero (underflow); scaling the loss keeps them. Where a
+16-bit format is native, fp32 and it race for the same seconds; where none is, they run the same
+steps and the demo says how much slower the emulation was, and where the speed is to be had.
+Then, on every machine, fp32 and fp16 with and without its loss scaler train the same steps,
+their loss averaged as in a large optimizer step, and the demo shows what flushed to zero and
+what that cost, and the loss scale growing and backing off. It ends with the conclusion.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -18,6 +23,7 @@ import torch
 
 from mixprec.apps.demo import (
     EVAL_BLOCKS,
+    DemoRun,
     demo_task,
     held_out_line,
     next_byte_accuracy,
@@ -27,15 +33,31 @@ from mixprec.apps.demo import (
 from mixprec.tasks import TASKS
 
 EXAMPLES = """Examples:
-  mixprec demo                              # ~2.5 minutes of training, whatever the machine
-  mixprec demo --seconds 40                 # a quick look
+  mixprec demo                              # ~2.5 minutes, whatever the machine
+  mixprec demo --seconds 10                 # a quicker look
+  mixprec demo --lesson-steps 0             # the speed comparison alone
   mixprec demo --precision fp16 --out runs/fp16-demo
 """
 
-#: The model of the lesson run (fp16 where nothing 16-bit is native): its fp16 matrix products are
-#: emulated, measured 16x slower than fp32 on a CPU held to AVX2; a smaller model still takes
-#: hundreds of steps in the seconds given, enough to watch the loss scaler.
+#: The lesson's model: fp16's matrix products are emulated on most CPUs (measured 9x slower than
+#: fp32 on pycode/tiny on a CPU held to AVX2), and this size still takes a few hundred steps in the
+#: seconds given, enough for underflow to cost and for the loss scale to move.
 LESSON_SIZE = "tiny"
+
+#: The tokens each lesson step's loss is averaged over: GPT-2's batch (512 sequences of 1024).
+#: Averaged over its own 512 tokens, the lesson's gradients stay inside fp16's range and an fp16
+#: run without loss scaling trains as fp32 does (benchmarks/RESULTS.md, "The demo's lesson").
+STEP_TOKENS = 2**19
+
+#: The loss scaler's growth interval in the lesson: the scale doubles after this many clean steps
+#: (torch's default, 2000, would never be reached in a demo of a few hundred).
+GROWTH_INTERVAL = 10
+
+#: The default seconds of each timed run where a 16-bit format is native (the race's two and the
+#: lesson's first), and where none is (the lesson's first, the only one): the demo takes about
+#: the same time on either machine, two and a half minutes on 2 cores (benchmarks/RESULTS.md).
+RACE_SECONDS = 25.0
+LESSON_ALONE_SECONDS = 40.0
 
 #: The generated sample: a prompt every Python file has plenty of, at a temperature low enough that
 #: a few minutes' model writes recognisable Python (at 1.0 it samples its uncertainty: noise).
@@ -46,76 +68,45 @@ SAMPLE_TEMPERATURE = 0.5
 #: "The first GPU figures": batch 64 x 256 tokens, 13.9 ms against 62.5 ms a step).
 GPU_FIGURE = "on an NVIDIA H200, fp16-mixed trained pycode/small 4.4x as fast as fp32 (benchmarks/RESULTS.md)"
 
+#: What a CPU with native bf16 gives: this demo's own race on 2 cores of an AMD EPYC with
+#: AVX512-BF16 (benchmarks/RESULTS.md, "The demo shows the lesson").
+CPU_FIGURE = "on 2 cores of an AMD EPYC with AVX512-BF16, bf16-mixed trained pycode/mini 1.9x as fast (this demo)"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="train a small GPT in mixed precision beside fp32 and show what it changes",
+    p = sub.add_parser("demo", help="the mixed-precision lesson, measured here: speed, underflow, loss scaling",
                        description="Train the built-in pycode GPT (the Python standard library's source, byte by "
-                       "byte) in mixed precision and in fp32, for the same number of seconds on the same data; "
-                       "print throughput, peak memory and validation loss for each, and what the loss scaler did "
-                       "where fp16 runs; write a run folder with the checkpoint, metrics.jsonl, a plot and a "
-                       "generated sample. Where no 16-bit format is native (auto would pick fp32), the mixed run "
-                       "is fp16-mixed: real fp16 with the loss scaler, the numerics mixed precision is about.",
+                       "byte) to show the mixed-precision lesson as this run's measurements: where a 16-bit format is "
+                       "native, fp32 and it for the same seconds (the speed-up); where none is, the same steps (how "
+                       "much slower the emulation is, and where the speed is to be had); then fp32 and fp16 with and "
+                       "without the loss scaler for the same steps (what flushed to zero, what it cost, the scale "
+                       "growing and backing off). Writes a run folder with the checkpoints, metrics, one plot, a "
+                       "generated sample and summary.json.",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default=None, choices=TASKS["pycode"].variants,
-                   help=f"model size (default: {TASKS['pycode'].defaults['size']}; {LESSON_SIZE} where the mixed run is "
-                   "fp16 without native 16-bit support, whose emulated matrix products are many times slower)")
-    p.add_argument("--precision", default="auto", help="the mixed run's precision (default: auto; where auto "
-                   "would pick fp32, fp16-mixed)")
-    p.add_argument("--seconds", type=float, default=150.0,
-                   help="training seconds of the two runs together, half each (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=None, help="a fixed number of optimizer steps for the mixed run "
-                   "instead of --seconds")
-    p.add_argument("--fp32-steps", type=int, default=None, help="with --steps: the fp32 run's (default: steps / 3)")
+                   help=f"model size of the race where a 16-bit format is native (default: "
+                   f"{TASKS['pycode'].defaults['size']}); the lesson's model is {LESSON_SIZE}")
+    p.add_argument("--precision", default="auto", help="the precision set against fp32 for speed (default: auto; "
+                   "where auto would pick fp32, fp16-mixed)")
+    p.add_argument("--seconds", type=float, default=None, help="training seconds of each timed run: the race's two "
+                   "and the lesson's loss-scaled fp16 run; the lesson's others take as many steps (default: "
+                   f"{RACE_SECONDS:g} where the race runs, {LESSON_ALONE_SECONDS:g} where it does not: about the same "
+                   "length on every machine)")
+    p.add_argument("--steps", type=int, default=None, help="a fixed number of optimizer steps for the speed "
+                   "comparison's runs instead of --seconds")
+    p.add_argument("--lesson-steps", type=int, default=None, help="a fixed number of steps for the lesson's runs "
+                   "instead of --seconds; 0 leaves the lesson out")
+    p.add_argument("--step-tokens", type=int, default=STEP_TOKENS, help="the lesson's loss is averaged over this "
+                   "many tokens a step, as in an optimizer step that large (default: %(default)s, GPT-2's batch)")
+    p.add_argument("--growth-interval", type=int, default=GROWTH_INTERVAL, help="the lesson's loss scaler doubles "
+                   "the scale after this many clean steps (default: %(default)s; torch's is 2000)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--train-bytes", type=int, default=None, help="bytes of training text to read (default: 4 MB)")
     p.add_argument("--eval-bytes", type=int, default=None, help="bytes of validation text (default: 200 kB; each "
                    f"evaluation reads its first {EVAL_BLOCKS} blocks)")
     p.add_argument("--out", default=None, help="run folder (default: runs/demo-<time>)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines")
     p.set_defaults(func=run)
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'run':<12} {'steps':>6} {'tokens/s':>10} {'speed-up':>9} {'peak RSS MB':>12} {'val loss':>9} {'bits/byte':>9}"
-    base = rows[0]["tokens_per_second"]
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['precision']:<12} {r['steps']:>6} {r['tokens_per_second']:>10.0f} "
-                     f"{r['tokens_per_second'] / base:>8.2f}x {r['peak_memory_mb']:>12.0f} "
-                     f"{r['final_eval_loss']:>9.3f} {r['final_bits_per_byte']:>9.3f}")
-    return "\n".join(lines)
-
-
-def _loss_scaling_lines(mixed: dict[str, Any], reference: dict[str, Any]) -> list[str]:
-    """What the loss scaler did in the fp16 run, in words a newcomer can check in the plot."""
-    history = mixed["scale_history"]
-    scales = [s for _, s, _ in history]
-    lines = [f"loss scale: {scales[0]:g} after the first step, {scales[-1]:g} at the end (lowest {min(scales):g}); "
-             f"{mixed['skipped_steps']} of {mixed['steps']} steps skipped for inf/NaN gradients (the scaler "
-             "halved the scale and tried again)"]
-    if mixed["flush"]:
-        step, unscaled, at_scale, module = max(mixed["flush"], key=lambda r: r[1])
-        lines.append(f"underflow: without the scale, {unscaled:.1%} of the gradient values of layer `{module}` "
-                     f"would have flushed to zero in fp16 (step {step}); at the scale used, "
-                     f"{max(r[2] for r in mixed['flush']):.1%} at worst in any layer")
-    gap = mixed["final_eval_loss"] / reference["final_eval_loss"] - 1
-    lines.append(f"val loss: {mixed['final_eval_loss']:.3f} in fp16-mixed against {reference['final_eval_loss']:.3f} "
-                 f"in fp32 ({gap:+.1%}) after the same {mixed['training_seconds']:.0f} s of training")
-    same = _loss_at(reference["train"], mixed["steps"])
-    if mixed["steps"] < reference["steps"] and same is not None and mixed["train"]:
-        step, theirs = same
-        ours = mixed["train"][-1][1]
-        lines.append(f"  in those seconds fp32 took {reference['steps']} steps and fp16-mixed {mixed['steps']}; step for "
-                     f"step: training loss {ours:.3f} at step {mixed['train'][-1][0]} against fp32's {theirs:.3f} at "
-                     f"step {step} ({ours / theirs - 1:+.1%}; fp32's learning rate was still high there, its schedule "
-                     "following its own seconds)")
-    return lines
-
-
-def _loss_at(points: list[tuple[int, float]], step: int) -> tuple[int, float] | None:
-    """The logged ``(step, loss)`` nearest to ``step`` at or before it."""
-    before = [p for p in points if p[0] <= step]
-    return before[-1] if before else None
 
 
 def _what_it_learned(task: Any, model: torch.nn.Module) -> dict[str, Any]:
@@ -132,91 +123,206 @@ def _what_it_learned(task: Any, model: torch.nn.Module) -> dict[str, Any]:
             "space": float((targets == ord(" ")).float().mean())}
 
 
+def _errors(args: argparse.Namespace) -> str | None:
+    if args.steps is not None and args.steps < 4:
+        return "--steps must be at least 4"
+    if args.lesson_steps is not None and 0 < args.lesson_steps < 4 or (args.lesson_steps or 0) < 0:
+        return "--lesson-steps must be 0 (no lesson) or at least 4"
+    if args.seconds is not None and not args.seconds >= 4:
+        return "--seconds must be at least 4"
+    if args.step_tokens < 1 or args.growth_interval < 1:
+        return "--step-tokens and --growth-interval must be at least 1"
+    return None
+
+
+class _Runner:
+    """Trains each run in a fresh process (its peak memory its own) and says what it is."""
+
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.data, self.batch, self.progress, self.out = (args.train_bytes, args.eval_bytes), args.batch_size, \
+            not args.no_progress, out
+
+    def __call__(self, run: DemoRun) -> dict[str, Any]:
+        return train_in_fresh_process(dataclasses.replace(run, out=str(self.out / run.out)), self.data, self.batch,
+                                      self.progress)
+
+
 def run(args: argparse.Namespace) -> int:
     import warnings
 
+    from mixprec.apps.demo_report import conclusion, lesson_lines, scale_lines, speed_lines, table
     from mixprec.apps.plots import plot_demo
+    from mixprec.hardware import detect_capability
     from mixprec.precision import PrecisionPerformanceWarning, resolve_precision
-    from mixprec.tasks import generate_sample
 
     warnings.simplefilter("ignore", PrecisionPerformanceWarning)  # the demo says what is fast here itself
-
-    if args.steps is not None and args.steps < 4:
-        print("mixprec demo: error: --steps must be at least 4", file=sys.stderr)
-        return 2
-    if args.steps is None and not args.seconds >= 4:
-        print("mixprec demo: error: --seconds must be at least 4", file=sys.stderr)
+    if (error := _errors(args)) is not None:
+        print(f"mixprec demo: error: {error}", file=sys.stderr)
         return 2
     try:
         policy = resolve_precision(args.precision)
     except ValueError as e:
         print(f"mixprec demo: error: {e}", file=sys.stderr)
         return 2
-    lesson = not policy.is_low_precision and args.precision == "auto"
-    if lesson:  # nothing 16-bit is fast here: run the numerics the lesson is about, and say so
+    cap = detect_capability(None)
+    auto_fp32 = not policy.is_low_precision and args.precision == "auto"
+    if auto_fp32:  # nothing 16-bit is fast here: run the numerics the lesson is about, and say so
         policy = resolve_precision("fp16-mixed")
-    args.size = args.size or (LESSON_SIZE if lesson else TASKS["pycode"].defaults["size"])
+    raced = not auto_fp32 and (policy.name == "fp32" or cap.is_native(policy.name))
+    why = (policy.reason or f"{policy.name} is native on {cap.device}") if raced else (
+        cap.reasons.get(policy.name) or f"{policy.name} is not native on {cap.device}")
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    if args.steps is None:
-        budgets = (args.seconds / 2, args.seconds / 2)
-        plan = f"{args.seconds / 2:.0f} s of training each"
+    size = args.size or TASKS["pycode"].defaults["size"]
+    timed = float(args.seconds or (RACE_SECONDS if raced else LESSON_ALONE_SECONDS))
+    lesson_budget = args.lesson_steps if args.lesson_steps is not None else timed
+    train = _Runner(args, out)
+
+    print("mixprec demo: the mixed-precision lesson, measured in this run, on the pycode GPT (the standard library's "
+          "source, byte by byte)")
+    if auto_fp32:
+        print(f"  auto would pick fp32 here ({resolve_precision('auto').reason}); fp16-mixed runs instead, to show "
+              "what 16-bit costs here and what loss scaling does")
+    if raced:
+        plan = f"{args.steps} steps" if args.steps else f"{timed:.0f} s of training"
+        print(f"  1. speed: fp32 against {policy.name} on pycode/{size}, {plan} each")
     else:
-        budgets = (args.fp32_steps or max(4, args.steps // 3), args.steps)
-        plan = f"{budgets[1]} and {budgets[0]} steps"
-    print(f"mixprec demo: pycode/{args.size} in {policy.name} beside fp32, {plan}")
-    print(f"  {policy.name}: " + (f"auto would pick fp32 here ({resolve_precision('auto').reason}); fp16-mixed "
-                                  "runs instead, to show what loss scaling does" if lesson else
-                                  policy.reason or "as asked"))
-    data = (args.train_bytes, args.eval_bytes)
-    task = demo_task(args.size, *data)
-    print(f"data: {len(task.train_dataset)} training blocks of {task.train_dataset.block_size} bytes from the "
-          f"standard library's source; evaluated on {min(EVAL_BLOCKS, len(task.eval_dataset))} validation blocks")
-    # Each run in a fresh process: its peak memory is its own, not what an earlier run left.
+        print(f"  1. speed: fp32 against {policy.name} on pycode/{LESSON_SIZE}, step for step")
+    if lesson_budget:
+        plan = f"{lesson_budget} steps" if isinstance(lesson_budget, int) else f"{timed:.0f} s of training"
+        print(f"  2.-4. fp16's range, underflow and loss scaling: fp16 with its loss scaler for {plan} on "
+              f"pycode/{LESSON_SIZE}, then fp16 without one and fp32 for as many steps")
+    sizes = dict.fromkeys([size] if raced else []) | dict.fromkeys([LESSON_SIZE] if lesson_budget or not raced else [])
+    for name in sizes:
+        task = demo_task(name, *train.data)
+        print(f"  data of pycode/{name}: {len(task.train_dataset)} training blocks of {task.train_dataset.block_size} "
+              f"bytes of the standard library's source; evaluated on {min(EVAL_BLOCKS, len(task.eval_dataset))} "
+              "validation blocks")
+    speed: list[dict[str, Any]] = []
+    lesson: dict[str, dict[str, Any]] = {}
     try:
-        reference = train_in_fresh_process(args.size, data, "fp32", budgets[0], str(out / "fp32"), args.batch_size,
-                                           not args.no_progress, "fp32")
-        mixed = train_in_fresh_process(args.size, data, policy.name, budgets[1], str(out), args.batch_size,
-                                       not args.no_progress, policy.name)
+        if raced:
+            budget = args.steps or timed
+            names = dict.fromkeys(("fp32", policy.name))  # (fp32 alone where it was asked for)
+            speed = [train(DemoRun(name=n, label=f"race-{n}", precision=n, size=size, budget=budget, out=f"race-{n}"))
+                     for n in names]
+        if lesson_budget:
+            lesson = _lesson(train, args, lesson_budget)
+        if not raced:
+            speed = _step_for_step(train, args, policy.name, lesson, timed)
     except ValueError as e:  # a setting the Trainer refuses (its message says the fix)
         print(f"mixprec demo: error: {e}", file=sys.stderr)
         return 2
-    print()
-    print(_table([reference, mixed]))
-    print(f"(speed-up: tokens/s against fp32; memory: {mixed['memory_kind']})")
-    if mixed["scale_history"]:
-        print("\n".join(_loss_scaling_lines(mixed, reference)))
+
+    natives = [GPU_FIGURE, CPU_FIGURE]
+    print("\n1. Speed")
+    print(table(speed))
+    print(f"(speed-up: tokens/s against fp32, from the median step; seconds: of training, evaluations and checkpoints "
+          f"left out; memory: {speed[-1]['memory_kind']})")
+    print("\n".join(speed_lines(speed, raced, why, natives)))
     if lesson:
-        print("speed: no 16-bit format is native on this CPU, so fp16 runs no faster than fp32 here; mixed "
-              f"precision's speed needs native 16-bit hardware (AMX or AVX512-BF16 CPUs, GPU tensor cores): {GPU_FIGURE}")
-    elif mixed["tokens_per_second"] < 1.1 * reference["tokens_per_second"]:
-        print(f"speed: {mixed['precision']} ran no faster than fp32 on this model and machine (a small model's "
-              f"casts can cost what its matrix products save; `mixprec bench` measures larger ones): {GPU_FIGURE}")
-    plot = plot_demo(reference, mixed, out / "demo.png", title=f"pycode/{args.size}: fp32 against {mixed['precision']}")
+        intro, results = lesson_lines(lesson)
+        print()
+        print("\n".join(intro))
+        print(table(list(lesson.values())))
+        print("\n".join(results))
+        if raced and not cap.is_native("fp16-mixed"):
+            print(f"   (fp16 is not native here: {cap.reasons.get('fp16-mixed', 'it is emulated')}; these runs show "
+                  "its numerics, and their seconds what emulating it costs)")
+        print()
+        print("\n".join(scale_lines(lesson["fp16-mixed"], args.growth_interval)))
+    plot = plot_demo(speed, lesson or None, out / "demo.png", raced=raced, native_figure=natives[0],
+                     title=f"mixprec demo: fp32 against {policy.name}" + (", and fp16's loss scaling" if lesson else ""))
+    sampled = speed[-1]
+    learned = _show_what_it_learned(sampled, train.data, out)
+    summary = {"raced": raced, "speed": [_summary(r) for r in speed],
+               "lesson": {n: _summary(r) for n, r in lesson.items()} or None,
+               "scale_history": lesson["fp16-mixed"]["scale_history"] if lesson else None,
+               "sampled": {"run": sampled["name"], "checkpoint": sampled["checkpoint"],
+                           "next_byte_accuracy": learned["trained"]}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\nrun folder: {out}")
+    for what, path in [("checkpoint", sampled["checkpoint"]), ("plot", plot), ("sample", out / "sample.txt"),
+                       ("summary", out / "summary.json")]:
+        print(f"  {what:<10} {path}")
+    print()
+    print("\n".join(conclusion(speed, raced, lesson or None, _native(cap, policy.name) if raced else
+                                "this CPU emulates 16-bit arithmetic" if cap.type == "cpu" else why)))
+    return 0
+
+
+def _lesson(train: _Runner, args: argparse.Namespace, budget: float | int) -> dict[str, dict[str, Any]]:
+    """fp16-mixed with its loss scaler for ``budget``, then fp16 without one and fp32 for as many steps."""
+    # The gradients recorded every 10 steps (then every 50), or 5 times in a shorter run: at the same
+    # steps in the three runs.
+    every = 10 if isinstance(budget, float) or budget >= 50 else max(1, budget // 5)
+    common = {"size": LESSON_SIZE, "step_tokens": args.step_tokens, "observe_every": every}
+    scaled = train(DemoRun(name="fp16-mixed", precision="fp16-mixed", budget=budget, out="fp16-mixed",
+                           loss_scaler={"growth_interval": args.growth_interval}, **common))
+    # The others: its steps at its learning rates (a timed run's schedule follows its clock).
+    common.update(budget=scaled["steps"], lr_factors=scaled["lr_factors"])
+    bare = train(DemoRun(name="fp16-unscaled", precision="fp16-mixed", out="fp16-unscaled",
+                         loss_scaler={"enabled": False}, **common))
+    ref = train(DemoRun(name="fp32", precision="fp32", out="fp32", **common))
+    return {"fp32": ref, "fp16-mixed": scaled, "fp16-unscaled": bare}
+
+
+def _step_for_step(train: _Runner, args: argparse.Namespace, name: str, lesson: dict[str, dict[str, Any]],
+                   timed: float) -> list[dict[str, Any]]:
+    """fp32 and ``name`` for the same steps on the lesson's model: the lesson's own runs where it ran
+    fp16-mixed; else ``name`` for ``--steps`` (or the seconds) and fp32 for as many."""
+    if lesson and name == "fp16-mixed":
+        return [lesson["fp32"], lesson["fp16-mixed"]]
+    common = {"size": LESSON_SIZE, "step_tokens": args.step_tokens if lesson else None}
+    if lesson:
+        budget = lesson["fp32"]["steps"]
+    else:
+        budget = args.steps or timed
+    if lesson:
+        common["lr_factors"] = lesson["fp32"]["lr_factors"]
+    mixed = train(DemoRun(name=name, precision=name, budget=budget, out=name, **common))
+    ref = lesson["fp32"] if lesson else train(DemoRun(name="fp32", precision="fp32", budget=mixed["steps"],
+                                                      out="fp32", lr_factors=mixed["lr_factors"], **common))
+    return [ref, mixed]
+
+
+def _native(cap: Any, name: str) -> str:
+    """What makes ``name`` fast on ``cap``'s device, in a few words."""
+    if name == "fp32":
+        return "fp32 is native everywhere"
+    if cap.type != "cpu":
+        return f"{name} is native on {cap.name}"
+    flags = [f.upper().replace("_", "-") for f in ("amx_bf16", "avx512_bf16", "amx_fp16") if cap.flags.get(f)]
+    return f"{name} is native on this CPU: {', '.join(flags) or 'as detected'}"
+
+
+def _summary(r: dict[str, Any]) -> dict[str, Any]:
+    """A run's result for summary.json: without its curves and histogram."""
+    row = {k: v for k, v in r.items() if k not in ("train", "eval", "seconds", "scale_history", "grads", "lr_factors")}
+    if r.get("grads"):
+        row["grads"] = {k: v for k, v in r["grads"].items() if k != "histogram"}
+    return row
+
+
+def _show_what_it_learned(run: dict[str, Any], data: tuple[int | None, int | None], out: Path) -> dict[str, Any]:
+    """Print the sampled run's guesses on a held-out line, its next-byte accuracy and a sample
+    (written to ``out/sample.txt``)."""
     import safetensors.torch
 
-    from mixprec.accelerator.accelerator import Accelerator
+    from mixprec.tasks import generate_sample
 
-    model = Accelerator(mixed_precision=policy.name).prepare(task.build_model())
-    safetensors.torch.load_model(model, str(Path(mixed["checkpoint"]) / "model_0.safetensors"))
+    task = demo_task(run["size"], *data)
+    # Its fp32 master weights, run in fp32: what it learned, shown quickly where 16-bit is emulated.
+    model = task.build_model()
+    safetensors.torch.load_model(model, str(Path(run["checkpoint"]) / "model_0.safetensors"))
     sample = generate_sample(model, prompt=SAMPLE_PROMPT, max_new_tokens=240, temperature=SAMPLE_TEMPERATURE,
                              generator=torch.Generator().manual_seed(0))
     (out / "sample.txt").write_text(sample if isinstance(sample, str) else str(sample))
     learned = _what_it_learned(task, model)
-    mixed["next_byte_accuracy"] = learned["trained"]
-    summary = {k: {kk: vv for kk, vv in r.items() if kk not in ("train", "eval", "seconds", "scale_history")}
-               for k, r in (("fp32", reference), ("mixed", mixed))}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"\nwhat the {mixed['precision']} model learned: its guess of each next byte of a line of the standard "
-          "library it never trained on, from the real bytes before it")
+    print(f"\nwhat the {run['name']} run's model learned (its weights, run in fp32): its guess of each next byte of a "
+          "line of the standard library it never trained on, from the real bytes before it")
     print(f"  code:       {learned['line']}\n  its guess:  {learned['guess']}")
     print(f"  next bytes guessed right on the validation slice: {learned['trained']:.1%} (the untrained model: "
-          f"{learned['untrained']:.1%}; always guessing a space: {learned['space']:.1%})")
-    print(f"\nwhat it writes after {SAMPLE_PROMPT.strip()!r} (temperature {SAMPLE_TEMPERATURE}; a few minutes of CPU "
-          "training give a model that has learned indentation, names and punctuation, not yet Python):\n"
-          + "\n".join(line for line in sample.splitlines()[:6] if line.strip()))
-    print(f"\nrun folder: {out}")
-    for what, path in [("checkpoint", mixed["checkpoint"]), ("metrics", out / "metrics.jsonl"), ("plot", plot),
-                       ("sample", out / "sample.txt"), ("summary", out / "summary.json")]:
-        print(f"  {what:<10} {path}")
-    return 0
+          f"{learned['untrained']:.1%}; always guessing a space: {learned['space']:.1%}); a sample it wrote is in "
+          "sample.txt")
+    return learned
