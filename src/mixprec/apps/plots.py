@@ -199,7 +199,8 @@ def _draw_speed(ax: Any, runs: Sequence[Mapping[str, Any]], raced: bool, native_
         ax.plot([], [], " ", label="\n".join(_wrap(native_figure, 60)))
     _label(ax, title=f"the same {runs[-1]['steps']} steps each: the seconds they took here (16-bit is emulated)",
            xlabel="seconds of training (evaluations and checkpoints left out)", ylabel="precision",
-           legend={"loc": "lower right", "fontsize": 8})
+           # beside fp32's bar, the short one on top: at the bottom it would cover the 16-bit bar
+           legend={"loc": "upper right", "fontsize": 8})
 
 
 def _draw_lesson_losses(ax: Any, lesson: Mapping[str, Mapping[str, Any]]) -> None:
@@ -268,12 +269,14 @@ def _draw_gradient_histogram(ax: Any, probe: dict[str, Any], *, scale: float) ->
     lo, hi = edges[0], edges[-1]
     # Bin i covers (2**(x-1), 2**x]: draw it at its upper edge; the end bins hold everything beyond.
     xs = [lo] + edges[1:] + [hi + 1]
+    top = 0.0
     for which, label, color in (("unscaled", "gradients as they are", "0.45"),
                                 ("at_scale", f"x loss scale 2^{math.log2(scale):g} ({scale:,.0f})", "tab:blue")):
         hist, zeros, total = _total_hist(probe, which)
         if not hist:
             continue
         frac = [c / max(total, 1) for c in hist]
+        top = max(top, *frac)
         ax.step(xs, frac, where="pre", color=color, linewidth=1.6, label=label)
     f16 = FORMAT_LIMITS["fp16"]
     ax.axvspan(math.log2(f16.smallest_subnormal), math.log2(f16.smallest_normal), color="tab:orange", alpha=0.15,
@@ -287,6 +290,8 @@ def _draw_gradient_histogram(ax: Any, probe: dict[str, Any], *, scale: float) ->
                 "both ends lie far outside this plot", xy=(0.02, 0.97), xycoords="axes fraction", va="top", fontsize=8,
                 bbox={"boxstyle": "round", "fc": "white", "ec": "0.7"})
     ax.set_xlim(lo - 1, hi + 2)
+    # Room above the highest bin for the note in the top left corner, which would hide a peak there.
+    ax.set_ylim(0, max(top, 1e-9) * 1.3)
 
 
 def plot_layer_underflow(layers: list[dict[str, Any]], path: str | Path, *, scale: float, title: str,

@@ -68,9 +68,11 @@ SAMPLE_TEMPERATURE = 0.5
 #: "The first GPU figures": batch 64 x 256 tokens, 13.9 ms against 62.5 ms a step).
 GPU_FIGURE = "on an NVIDIA H200, fp16-mixed trained pycode/small 4.4x as fast as fp32 (benchmarks/RESULTS.md)"
 
-#: What a CPU with native bf16 gives: this demo's own race on 2 cores of an AMD EPYC with
-#: AVX512-BF16 (benchmarks/RESULTS.md, "The demo shows the lesson").
-CPU_FIGURE = "on 2 cores of an AMD EPYC with AVX512-BF16, bf16-mixed trained pycode/mini 1.9x as fast (this demo)"
+#: What CPUs with native bf16 give: this demo's own race of ``mini`` on 2 cores of an AMD EPYC with
+#: AVX512-BF16 (three runs, benchmarks/RESULTS.md "Issue 49, section 1"), and the previous demo's
+#: race, the same model for 75 s each, on an Intel Xeon with AMX-BF16 ("Issue 35").
+CPU_FIGURE = ("on 2 cores of an AMD EPYC with AVX512-BF16, bf16-mixed trained pycode/mini 1.2-1.6x as fast as fp32 "
+              "in this demo's race, on an Intel Xeon with AMX-BF16 2.2x (benchmarks/RESULTS.md)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
