@@ -88,17 +88,21 @@ def optimizer_names(name: str | None = None) -> tuple[str, ...]:
 _OWN_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 
 
+#: transformers' ``Trainer.get_decay_parameter_names``: the name patterns that take a parameter out of
+#: weight decay (tests/compat/test_optimizer_groups.py holds the two rules equal on transformers'
+#: own models).
+_NO_DECAY_NAME = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
 def decay_parameter_names(model: torch.nn.Module) -> list[str]:
     """The parameters weight decay applies to, by Hugging Face's rule (``Trainer.get_decay_parameter_names``):
-    all but biases, ``LayerNorm`` weights and parameters whose name says norm."""
-    try:
-        from transformers import Trainer
-    except ImportError:
-        norms = {f"{m}.{n}" if m else n for m, mod in model.named_modules() if isinstance(mod, torch.nn.LayerNorm)
-                 for n, _ in mod.named_parameters(recurse=False)}
-        pattern = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
-        return [n for n, _ in model.named_parameters() if n not in norms and not pattern.search(n.lower())]
-    return Trainer.get_decay_parameter_names(None, model)
+    all but those inside a ``torch.nn.LayerNorm``, biases, and parameters whose name says norm.
+
+    The rule itself rather than transformers' method: importing transformers' ``Trainer`` costs a
+    process seconds (it imports datasets, peft and torchao where they are installed)."""
+    in_norms = {name for prefix, module in model.named_modules() if isinstance(module, torch.nn.LayerNorm)
+                for name, _ in module.named_parameters(prefix=prefix)}
+    return [n for n, _ in model.named_parameters() if n not in in_norms and not _NO_DECAY_NAME.search(n.lower())]
 
 
 def build_optimizer(args: Any, model: torch.nn.Module,
