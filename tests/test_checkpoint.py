@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,14 +27,20 @@ from mixprec.checkpoint.folder import (
     write_checkpoint,
 )
 
-from toys import SCRIPTS, TinyLM
+from toys import SCRIPTS, Preloaded, TinyLM
 
 SCRIPT = SCRIPTS / "resume_accel.py"
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
 
 
+#: The script's runs start forked from a process that has imported torch and Accelerate (each still
+#: a process of its own, killed as one).
+PRELOADED = Preloaded("torch", "safetensors.torch", "accelerate")
+
+
 def run_script(out, *args, expect_kill=False):
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=300)
+    proc = PRELOADED.run(SCRIPT, str(out), *args, env=dict(os.environ), out=out.parent / f"{out.name}-{time.monotonic_ns()}",
+                         timeout=300)
     if expect_kill:
         assert proc.returncode == -9, proc.stderr
     else:

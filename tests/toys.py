@@ -37,6 +37,83 @@ def torchrun(script: Path, *args: str, nproc: int = 2, launcher: tuple[str, ...]
             *launcher, "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
 
 
+class Preloaded:
+    """Scripts run each in a process of its own, forked from one that has imported ``modules``
+    already (multiprocessing's forkserver): the same run as ``python SCRIPT ARGS`` (its own pid, its
+    own signals, ``sys.argv``, ``__main__``, its exit status; a SIGKILL is ``-9``), without paying
+    transformers' import (seconds) again at every start. The server is single-threaded and imports
+    only what every such script imports first, so that a child starts as a fresh interpreter would
+    (``import mixprec`` and the patch stay the script's own)."""
+
+    def __init__(self, *modules: str) -> None:
+        import multiprocessing
+
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(list(modules))
+
+    def start(self, script: Path, *args: str, env: dict[str, str], out: Path) -> Forked:
+        """Start ``script args`` with ``env``; its stdout and stderr go to ``out``.stdout/.stderr."""
+        out.parent.mkdir(parents=True, exist_ok=True)
+        proc = self.context.Process(target=_run_script, args=(str(script), list(args), env, str(out)))
+        proc.start()
+        return Forked(proc, out)
+
+    def run(self, script: Path, *args: str, env: dict[str, str], out: Path, timeout: float) -> Forked:
+        child = self.start(script, *args, env=env, out=out)
+        child.wait(timeout)
+        return child
+
+
+class Forked:
+    """A :class:`Preloaded` run, read like a ``subprocess.Popen``: ``poll``, ``wait``, ``kill``,
+    ``returncode``; ``stdout`` and ``stderr`` are its output once it has ended."""
+
+    def __init__(self, proc, out: Path) -> None:
+        self.proc, self.out, self.pid = proc, out, proc.pid
+        self.returncode: int | None = None
+        self.stdout = self.stderr = ""
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.proc.exitcode is not None:
+            self.returncode = self.proc.exitcode
+            self.stdout, self.stderr = (Path(f"{self.out}.{k}").read_text(errors="replace") for k in ("stdout", "stderr"))
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.poll() is None:
+            self.proc.kill()
+            self.proc.join()
+            raise TimeoutError(f"{self.out}: still running after {timeout} s (killed)")
+        return self.returncode
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+def _run_script(script: str, args: list[str], env: dict[str, str], out: str) -> None:
+    """In the forked child: the environment, output and argv of ``python script args``, then the
+    script as ``__main__``; the exit handlers run as at a process's end (multiprocessing skips them)."""
+    import atexit
+    import multiprocessing
+    import runpy
+
+    multiprocessing.set_start_method(None, force=True)  # the platform's default again (a forkserver child's is forkserver)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, kind in ((1, "stdout"), (2, "stderr")):
+        with open(f"{out}.{kind}", "w") as f:
+            os.dup2(f.fileno(), fd)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
 @dataclass
 class Output:
     loss: torch.Tensor | None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import pytest
 import safetensors.torch
@@ -17,7 +19,7 @@ from mixprec import (
     TrainingArguments,
 )
 
-from toys import SCRIPTS, Classifier, accuracy_metrics, blobs
+from toys import SCRIPTS, Classifier, Preloaded, accuracy_metrics, blobs
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
 
@@ -62,12 +64,15 @@ def test_seed_trainer_snippet_trains_evaluates_every_epoch_and_logs(tmp_path, mo
 RESUME_SCRIPT = SCRIPTS / "resume_trainer.py"
 
 
+#: The script's runs start forked from a process that has imported torch and the schedules' part of
+#: transformers (each run still a process of its own, killed and restarted as one).
+PRELOADED = Preloaded("torch", "safetensors.torch", "transformers", "transformers.optimization")
+
+
 def resume_script(out, *extra, code=0):
     """Run tests/scripts/resume_trainer.py into ``out``; ``code`` is the exit status expected (-9: SIGKILLed)."""
-    import subprocess
-
-    p = subprocess.run([sys.executable, str(RESUME_SCRIPT), str(out), *extra], capture_output=True, text=True,
-                       timeout=300)
+    p = PRELOADED.run(RESUME_SCRIPT, str(out), *extra, env=dict(os.environ), out=out.parent / f"{out.name}-{time.monotonic_ns()}",
+                      timeout=300)
     assert p.returncode == code, p.stderr[-3000:]
     return p
 
