@@ -33,9 +33,9 @@ SCRIPT = SCRIPTS / "resume_accel.py"
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.PrecisionPerformanceWarning")
 
 
-#: The script's runs start forked from a process that has imported torch and Accelerate (each still
-#: a process of its own, killed as one).
-PRELOADED = Preloaded("torch", "safetensors.torch", "accelerate")
+#: The script's runs start forked from a process that has imported torch (each still a process of its
+#: own, killed as one); not Accelerate, which the script never imports.
+PRELOADED = Preloaded("torch", "safetensors.torch")
 
 
 def run_script(out, *args, expect_kill=False):

@@ -42,17 +42,28 @@ class Preloaded:
     already (multiprocessing's forkserver): the same run as ``python SCRIPT ARGS`` (its own pid, its
     own signals, ``sys.argv``, ``__main__``, its exit status; a SIGKILL is ``-9``), without paying
     transformers' import (seconds) again at every start. The server is single-threaded and imports
-    only what every such script imports first, so that a child starts as a fresh interpreter would
-    (``import mixprec`` and the patch stay the script's own)."""
+    only what the script would import anyway, so that a child starts in the state a fresh
+    interpreter would reach (``import mixprec`` and the patch stay the script's own: mixprec acts on
+    what is in ``sys.modules``, Accelerate's singletons where ``accelerate`` is, for one).
+
+    A process has one forkserver: one whose ``modules`` differ from those it was started with
+    restarts it (between tests; a run in progress keeps the server that started it)."""
 
     def __init__(self, *modules: str) -> None:
         import multiprocessing
 
+        self.modules = modules
         self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload(list(modules))
 
     def start(self, script: Path, *args: str, env: dict[str, str], out: Path) -> Forked:
         """Start ``script args`` with ``env``; its stdout and stderr go to ``out``.stdout/.stderr."""
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver
+        if getattr(server, "preloaded", None) != self.modules:
+            server._stop()  # (none running: nothing to stop)
+            server.set_forkserver_preload(list(self.modules))
+            server.preloaded = self.modules
         out.parent.mkdir(parents=True, exist_ok=True)
         proc = self.context.Process(target=_run_script, args=(str(script), list(args), env, str(out)))
         proc.start()

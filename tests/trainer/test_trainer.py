@@ -64,8 +64,9 @@ def test_seed_trainer_snippet_trains_evaluates_every_epoch_and_logs(tmp_path, mo
 RESUME_SCRIPT = SCRIPTS / "resume_trainer.py"
 
 
-#: The script's runs start forked from a process that has imported torch and the schedules' part of
-#: transformers (each run still a process of its own, killed and restarted as one).
+#: The script's runs start forked from a process that has imported torch and what mixprec's Trainer
+#: imports of transformers in any process (its schedules), each run still a process of its own,
+#: killed and restarted as one.
 PRELOADED = Preloaded("torch", "safetensors.torch", "transformers", "transformers.optimization")
 
 
