@@ -331,6 +331,27 @@ def test_a_fresh_scaler_has_every_step_applied_and_none_skipped():
         scaler.scale(torch.tensor(1.0))
 
 
+def test_skipped_steps_tensor_reads_the_count_without_a_sync_before_and_after_the_first_step():
+    fresh = LossScaler("cpu")
+    t = fresh.skipped_steps_tensor()  # before any scale(): nothing made yet, none skipped
+    assert t.dtype == torch.int64 and t.shape == () and int(t) == 0
+
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler = LossScaler("cpu")
+    for grad in (float("inf"), 1.0, float("nan")):  # two steps skipped for inf/NaN, one applied
+        scaler.scale(param.sum() * grad).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert int(scaler.skipped_steps_tensor()) == scaler.skipped_steps == 2
+
+    loaded = LossScaler("cpu")  # loaded before its first step: the count is a host value until then
+    loaded.load_state_dict(scaler.state_dict())
+    t = loaded.skipped_steps_tensor()
+    assert t.dtype == torch.int64 and int(t) == 2 == loaded.skipped_steps
+
+
 def test_the_defaults_are_torch_grad_scalers():
     ours, theirs = LossScaler("cpu"), torch.amp.GradScaler("cpu")
     assert ours.get_scale() == theirs.get_scale() == 2.0**16
