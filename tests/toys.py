@@ -87,7 +87,9 @@ class Forked:
     def poll(self) -> int | None:
         if self.returncode is None and self.proc.exitcode is not None:
             self.returncode = self.proc.exitcode
-            self.stdout, self.stderr = (Path(f"{self.out}.{k}").read_text(errors="replace") for k in ("stdout", "stderr"))
+            # (a child killed before it opened them wrote none)
+            self.stdout, self.stderr = (Path(f"{self.out}.{k}").read_text(errors="replace")
+                                        if Path(f"{self.out}.{k}").exists() else "" for k in ("stdout", "stderr"))
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
