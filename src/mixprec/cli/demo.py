@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     auto_fp32 = not policy.is_low_precision and args.precision == "auto"
     if auto_fp32:  # nothing 16-bit is fast here: run the numerics the lesson is about, and say so
         policy = resolve_precision("fp16-mixed")
-    raced = not auto_fp32 and (policy.name == "fp32" or cap.is_native(policy.name))
+    raced = not auto_fp32 and (not policy.is_low_precision or cap.is_native(policy.name))
     why = (policy.reason or f"{policy.name} is native on {cap.device}") if raced else (
         cap.reasons.get(policy.name) or f"{policy.name} is not native on {cap.device}")
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
                        ("summary", out / "summary.json")]:
         print(f"  {what:<10} {path}")
     print()
-    print("\n".join(conclusion(speed, raced, lesson or None, _native(cap, policy.name) if raced else
+    print("\n".join(conclusion(speed, raced, lesson or None, _native(cap, policy) if raced else
                                 "this CPU emulates 16-bit arithmetic" if cap.type == "cpu" else why)))
     return 0
 
@@ -273,8 +273,8 @@ def _step_for_step(train: _Runner, args: argparse.Namespace, name: str, lesson: 
                    timed: float) -> list[dict[str, Any]]:
     """fp32 and ``name`` for the same steps on the lesson's model: the lesson's own runs where it ran
     fp16-mixed; else ``name`` for ``--steps`` (or the seconds) and fp32 for as many."""
-    if lesson and name == "fp16-mixed":
-        return [lesson["fp32"], lesson["fp16-mixed"]]
+    if lesson and name in lesson:  # the lesson ran this precision already, beside fp32
+        return [lesson["fp32"], lesson[name]]
     common = {"size": LESSON_SIZE, "step_tokens": args.step_tokens if lesson else None}
     if lesson:
         budget = lesson["fp32"]["steps"]
@@ -288,10 +288,11 @@ def _step_for_step(train: _Runner, args: argparse.Namespace, name: str, lesson: 
     return [ref, mixed]
 
 
-def _native(cap: Any, name: str) -> str:
-    """What makes ``name`` fast on ``cap``'s device, in a few words."""
-    if name == "fp32":
-        return "fp32 is native everywhere"
+def _native(cap: Any, policy: Any) -> str:
+    """What makes ``policy``'s precision fast on ``cap``'s device, in a few words."""
+    name = policy.name
+    if not policy.is_low_precision:
+        return f"{name} is native everywhere"
     if cap.type != "cpu":
         return f"{name} is native on {cap.name}"
     flags = [f.upper().replace("_", "-") for f in ("amx_bf16", "avx512_bf16", "amx_fp16") if cap.flags.get(f)]
