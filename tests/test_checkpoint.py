@@ -7,7 +7,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -39,8 +38,7 @@ PRELOADED = Preloaded("torch", "safetensors.torch")
 
 
 def run_script(out, *args, expect_kill=False):
-    proc = PRELOADED.run(SCRIPT, str(out), *args, env=dict(os.environ), out=out.parent / f"{out.name}-{time.monotonic_ns()}",
-                         timeout=300)
+    proc = PRELOADED.run(SCRIPT, str(out), *args, logs=out.parent, timeout=300)
     if expect_kill:
         assert proc.returncode == -9, proc.stderr
     else:

@@ -55,8 +55,10 @@ class Preloaded:
         self.modules = modules
         self.context = multiprocessing.get_context("forkserver")
 
-    def start(self, script: Path, *args: str, env: dict[str, str], out: Path) -> Forked:
-        """Start ``script args`` with ``env``; its stdout and stderr go to ``out``.stdout/.stderr."""
+    def start(self, script: Path, *args: str, logs: Path, env: dict[str, str] | None = None) -> Forked:
+        """Start ``script args`` with ``env`` (default: this process's); its stdout and stderr go to
+        files of their own in the folder ``logs`` (read back as the run's ``stdout`` and ``stderr``)."""
+        import time
         from multiprocessing import forkserver
 
         server = forkserver._forkserver
@@ -64,13 +66,15 @@ class Preloaded:
             server._stop()  # (none running: nothing to stop)
             server.set_forkserver_preload(list(self.modules))
             server.preloaded = self.modules
-        out.parent.mkdir(parents=True, exist_ok=True)
+        logs.mkdir(parents=True, exist_ok=True)
+        out = logs / f"{script.stem}-{time.monotonic_ns()}"
+        env = dict(os.environ if env is None else env)
         proc = self.context.Process(target=_run_script, args=(str(script), list(args), env, str(out)))
         proc.start()
         return Forked(proc, out)
 
-    def run(self, script: Path, *args: str, env: dict[str, str], out: Path, timeout: float) -> Forked:
-        child = self.start(script, *args, env=env, out=out)
+    def run(self, script: Path, *args: str, logs: Path, timeout: float, env: dict[str, str] | None = None) -> Forked:
+        child = self.start(script, *args, logs=logs, env=env)
         child.wait(timeout)
         return child
 

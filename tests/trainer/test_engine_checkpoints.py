@@ -47,10 +47,9 @@ def _run(out: Path, *flags: str, ranks: int = 1, expect: int | None = 0, start_o
         proc = subprocess.run(torchrun(SCRIPT, str(out), *flags, nproc=ranks), capture_output=True, text=True,
                               timeout=300, env=ENV)
     else:
-        logs = out.parent / f"{out.name}-{time.monotonic_ns()}"
         if start_only:
-            return PRELOADED.start(SCRIPT, str(out), *flags, env=ENV, out=logs)
-        proc = PRELOADED.run(SCRIPT, str(out), *flags, env=ENV, out=logs, timeout=300)
+            return PRELOADED.start(SCRIPT, str(out), *flags, env=ENV, logs=out.parent)
+        proc = PRELOADED.run(SCRIPT, str(out), *flags, env=ENV, logs=out.parent, timeout=300)
     if expect is not None:
         assert proc.returncode == expect, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
 
 import pytest
 import safetensors.torch
@@ -72,8 +70,7 @@ PRELOADED = Preloaded("torch", "safetensors.torch", "transformers", "transformer
 
 def resume_script(out, *extra, code=0):
     """Run tests/scripts/resume_trainer.py into ``out``; ``code`` is the exit status expected (-9: SIGKILLed)."""
-    p = PRELOADED.run(RESUME_SCRIPT, str(out), *extra, env=dict(os.environ), out=out.parent / f"{out.name}-{time.monotonic_ns()}",
-                      timeout=300)
+    p = PRELOADED.run(RESUME_SCRIPT, str(out), *extra, logs=out.parent, timeout=300)
     assert p.returncode == code, p.stderr[-3000:]
     return p
 
