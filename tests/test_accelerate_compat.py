@@ -275,6 +275,63 @@ def test_free_memory_forgets_every_prepared_object():
     assert acc.optimizer_steps > 0 or acc.scaler is not None
 
 
+@pytest.mark.parametrize("precision,diagnostics", [("no", None), ("bf16", {"gradient_stats_every": 1}),
+                                                   ("fp16", {"trace_overflow": True})])
+def test_a_dropped_accelerator_and_what_it_prepared_are_freed_at_once_not_by_the_garbage_collector(
+        precision, diagnostics):
+    """Accelerate's tests/test_data_loader.py (test_ensure_dataloader_gets_cleaned_up) drops an
+    object holding an Accelerator, its prepared dataloader and an iterator in mid-epoch, and
+    expects all of them gone at once, with no garbage collection: nothing they hold points back at
+    the Accelerator (a cycle would keep a GPU's memory taken until the collector next runs). Here
+    with a model, an optimizer, a scheduler and steps taken too. The model is left out: its
+    patched forward holds the model, as Accelerate's does."""
+    import gc
+    import weakref
+
+    class Run:
+        def __init__(self):
+            model, opt, dl = parts()
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+            self.acc = Accelerator(mixed_precision=precision, cpu=True, diagnostics=diagnostics)
+            self.model, self.opt, self.sched, self.dl = self.acc.prepare(model, opt, sched, dl)
+            self.iter = iter(self.dl)
+            for _ in range(3):
+                x, y = next(self.iter)
+                self.acc.backward(torch.nn.functional.mse_loss(self.model(x).float(), y))
+                self.opt.step(); self.sched.step(); self.opt.zero_grad()
+
+    Run()  # once first: what the first step imports may keep a frame (and so the run) until a collection
+    gc.collect()
+    gc.disable()
+    try:
+        run = Run()
+        refs = {name: weakref.ref(obj) for name, obj in [
+            ("accelerator", run.acc), ("optimizer", run.opt), ("scheduler", run.sched), ("dataloader", run.dl),
+            ("gradient_state", run.acc.gradient_state), ("steps", run.acc.steps), ("preparer", run.acc.preparer)]}
+        del run
+        assert [name for name, ref in refs.items() if ref() is not None] == []
+    finally:
+        gc.enable()
+
+
+def test_an_accelerator_never_named_still_trains_its_model_in_its_precision():
+    """``model, opt = Accelerator(mixed_precision=...).prepare(model, opt)`` keeps no name for the
+    Accelerator (it is freed at once): what it prepared still runs in its precision and steps."""
+    import gc
+
+    model, opt, dl = parts()
+    before = model.weight.detach().clone()
+    model, opt = Accelerator(mixed_precision="bf16", cpu=True).prepare(model, opt)
+    gc.collect()
+    x, y = next(iter(dl))
+    out = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(out, model.__class__.forward(model, x).float())
+    torch.nn.functional.mse_loss(out, y).backward()
+    opt.step()
+    assert not torch.equal(model.weight, before)
+
+
 def test_seedable_epochs_replay_with_set_epoch_and_data_seed_decides_the_order():
     def order(acc, epochs=2):
         _, _, dl = parts(n=12, batch_size=3)

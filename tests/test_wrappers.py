@@ -87,7 +87,7 @@ def test_a_prepared_optimizer_and_scheduler_pickle_whole_keep_their_state_and_st
     copy_acc, copy_opt, copy_sched = pickle.loads(pickle.dumps((acc, opt, sched)))
     assert type(copy_opt) is AcceleratedOptimizer and type(copy_sched) is AcceleratedScheduler
     assert isinstance(copy_sched, torch.optim.lr_scheduler.StepLR) and copy_sched.optimizers == [copy_opt]
-    assert copy_sched.scheduler.optimizer is copy_opt.optimizer and copy_opt.hooks.step.__self__ is copy_acc
+    assert copy_sched.scheduler.optimizer is copy_opt.optimizer and copy_opt.hooks.step.__self__ is copy_acc.steps
     _same_state(copy_opt.state_dict(), opt.state_dict())
     assert copy_sched.state_dict() == sched.state_dict() and copy_sched.get_last_lr() == [0.05]
     if precision == "fp16":

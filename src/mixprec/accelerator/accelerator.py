@@ -30,13 +30,9 @@ from mixprec.accelerator.handlers import DDPCommunicationHookType, read_kwargs_h
 from mixprec.accelerator.prepare import PreparedObjects, Preparer
 from mixprec.accelerator.processes import PROCESS_API, Processes, expose
 from mixprec.accelerator.state import AcceleratorState, DistributedType, GradientState
+from mixprec.accelerator.stepping import CurrentPrecision, OptimizerSteps, accelerate_word, build_precision
 from mixprec.accelerator.utils import gather_object
-from mixprec.accelerator.wrappers import (
-    AcceleratedOptimizer,
-    AcceleratedScheduler,
-    OptimizerHooks,
-    unwrap,
-)
+from mixprec.accelerator.wrappers import AcceleratedOptimizer, AcceleratedScheduler, unwrap
 from mixprec.data import PreparedDataLoader
 from mixprec.diagnostics.monitor import DiagnosticsConfig, Monitor
 from mixprec.distributed import groups as D
@@ -48,11 +44,8 @@ from mixprec.precision import (
     PrecisionConfig,
     PrecisionPlugin,
     PrecisionPolicy,
-    accelerate_name,
-    make_plugin,
     resolve_precision,
 )
-from mixprec.precision.fallback import fallback_target, log_fallback
 from mixprec.precision.scaler import LossScaleCollapse, LossScaler
 from mixprec.tracking import Trackers
 
@@ -61,12 +54,6 @@ __all__ = ["Accelerator"]
 _PRECISION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PrecisionConfig)}
 # DDP's gradient compression (``ddp_comm_hook``): the dtype its all-reduce sends gradients in.
 _DDP_WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _accelerate_word(policy: PrecisionPolicy) -> str:
-    """The precision in Accelerate's words (the names table's); bf16-true, which Accelerate has no
-    name for, in mixprec's."""
-    return accelerate_name(policy.name) or policy.name
 
 
 @expose(PROCESS_API, "state")  # who am I, read from self.state as Accelerate's are
@@ -78,7 +65,8 @@ class Accelerator:
     the model out), ``processes`` (which process runs what: ``state`` holds the same one, and the
     process names, ``num_processes``, ``is_main_process``, ``wait_for_everyone``, ..., are read
     through ``state`` as in Accelerate, so after ``state._reset_state()`` they say so), and
-    ``precision``, the current precision plugin (the step).
+    ``steps`` (each prepared optimizer's step, in ``precision``, the current precision plugin).
+    Nothing it hands out holds the Accelerator back: dropped, it is freed at once.
 
     Args:
         mixed_precision: any name :func:`~mixprec.resolve_precision` takes (``"no"``, ``"fp16"``,
@@ -249,7 +237,7 @@ class Accelerator:
         self.processes = Processes(info, device)
         policy = resolve_precision(mixed_precision if mixed_precision is not None else "fp32", device)
         # (bf16-true computes in bf16: Accelerate's code that reads the precision reads "bf16")
-        _share_with_accelerate(cpu=device.type == "cpu", mixed_precision=_accelerate_word(policy).split("-")[0])
+        _share_with_accelerate(cpu=device.type == "cpu", mixed_precision=accelerate_word(policy).split("-")[0])
         #: What the run's precision does (read at call time by the prepared models and optimizers).
         if scaler_kwargs and policy.needs_loss_scaler and precision_config.loss_scaler is None:
             # GradScalerKwargs set the fp16 scaler (where there is none, Accelerate ignores it too).
@@ -257,9 +245,9 @@ class Accelerator:
         ao = handlers.get("AORecipeKwargs")
         if ao is not None and policy.float8_linears:
             precision_config = self.precision_config = dataclasses.replace(precision_config, **_fp8_fields(ao))
-        self.precision: PrecisionPlugin = self._make_precision(policy, device, precision_config)
+        current = CurrentPrecision(build_precision(policy, device, precision_config, sharded=self.fsdp_plugin is not None))
         #: Who this process is (Accelerate's ``accelerator.state``; this Accelerator's own, not global).
-        self.state = AcceleratorState(self.processes, mixed_precision=_accelerate_word(policy))
+        self.state = AcceleratorState(self.processes, mixed_precision=accelerate_word(policy))
         self.state.is_fsdp2 = self.fsdp_plugin is not None
         self.state.fsdp_plugin = self.fsdp_plugin
         #: Experiment tracking (``log_with``): started by :meth:`init_trackers`, on the main process.
@@ -273,16 +261,15 @@ class Accelerator:
         self.prepared = PreparedObjects()
         #: What the prepared objects really train in (see :meth:`precision_report`).
         self.audit = PrecisionAudit()
-        self.optimizer_steps = 0  # applied or skipped, counted by the first prepared optimizer
+        #: What each prepared optimizer's ``step()`` does, in :attr:`precision` (which it holds).
+        self.steps = OptimizerSteps(current=current, gradient_state=self.gradient_state, prepared=self.prepared,
+                                    audit=self.audit, state=self.state, precision_config=precision_config,
+                                    device=device, sharded=self.fsdp_plugin is not None)
         self._clip_owners: tuple[Any, list[Any]] | None = None  # (ids of the parameters clipped and optimizers, theirs)
-        self.precision_fallbacks: list[dict[str, Any]] = []
         #: ``prepare`` and its parts.
         self.preparer = Preparer(
-            state=self.state, gradient_state=self.gradient_state, current_precision=self._current_precision,
-            prepared=self.prepared, audit=self.audit,
-            optimizer_hooks=OptimizerHooks(step=self._step_optimizer, zero_grad=self._zero_grad,
-                                           precision=self._current_precision),
-            diagnostics=self.diagnostics, fsdp_plugin=self.fsdp_plugin,
+            state=self.state, gradient_state=self.gradient_state, steps=self.steps,
+            prepared=self.prepared, audit=self.audit, diagnostics=self.diagnostics, fsdp_plugin=self.fsdp_plugin,
             # The dtype DDP's all-reduce sends gradients in, when ddp_comm_hook compresses them.
             ddp_wire_dtype=_DDP_WIRE_DTYPES.get(ddp_comm_hook),
             compile=compile, dataloader_config=self.dataloader_config, device_placement=device_placement,
@@ -292,8 +279,28 @@ class Accelerator:
                                          project=self.project_configuration, device=device,
                                          sharded=self.fsdp_plugin is not None)
 
-    def _current_precision(self) -> PrecisionPlugin:
-        return self.precision
+    @property
+    def precision(self) -> PrecisionPlugin:
+        """The run's current precision plugin (the step); assigning one switches the run to it."""
+        return self.steps.current.plugin
+
+    @precision.setter
+    def precision(self, plugin: PrecisionPlugin) -> None:
+        self.steps.current.plugin = plugin
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken, applied or skipped, counted by the first prepared optimizer."""
+        return self.steps.count
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, value: int) -> None:
+        self.steps.count = value
+
+    @property
+    def precision_fallbacks(self) -> list[dict[str, Any]]:
+        """The run's switches to another precision (``{"step", "from", "to"}``), oldest first."""
+        return self.steps.fallbacks
 
     @property
     def device(self) -> torch.device:
@@ -374,7 +381,7 @@ class Accelerator:
     @property
     def mixed_precision(self) -> str:
         """The precision in Accelerate's words: ``"no"``, ``"fp16"``, ``"bf16"`` (or ``"bf16-true"``)."""
-        return _accelerate_word(self.policy)
+        return accelerate_word(self.policy)
 
     @property
     def use_distributed(self) -> bool:
@@ -402,7 +409,7 @@ class Accelerator:
     @property
     def monitor(self) -> Monitor | None:
         """The diagnostics' monitor of the prepared models (``None`` with diagnostics off)."""
-        return self.preparer.monitor
+        return self.steps.monitor
 
     # -- prepare (the preparer's) ------------------------------------------------------------
     def prepare(self, *objects: Any, device_placement: list[bool | None] | None = None) -> Any:
@@ -504,12 +511,6 @@ class Accelerator:
         a handle whose ``remove()`` unregisters it."""
         return self.checkpointer.hooks.add_load(hook)
 
-    def _make_precision(self, precision: Any, device: torch.device, config: PrecisionConfig) -> PrecisionPlugin:
-        """The plugin for ``precision``, told whether ``prepare`` shards the models (fp8's all-gather)."""
-        plugin = make_plugin(precision, device, config)
-        plugin.sharded = self.fsdp_plugin is not None
-        return plugin
-
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
                    extra_files: dict[str, str | bytes] | None = None, async_save: bool = False,
                    finish: Callable[[Path, dict[str, list[str]]], None] | None = None,
@@ -566,7 +567,7 @@ class Accelerator:
         """
         meta, precision_state = self.checkpointer.load(input_dir)
         if meta.get("precision_fallback") and meta["precision"] != self.policy.name:
-            self._switch_precision(meta["precision"])  # the run had fallen back: keep it so
+            self.steps.switch(meta["precision"])  # the run had fallen back: keep it so
             self.precision_fallbacks.append({"step": meta.get("optimizer_steps", 0), "to": meta["precision"]})
         self.precision.load_state_dict(precision_state)
         self.audit.scaler_loaded(self.precision.state_dict(), precision_state, enabled=self.scaler is not None)
@@ -646,7 +647,7 @@ class Accelerator:
             for opt in opts:
                 self.precision.unscale_gradients(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
         except LossScaleCollapse as error:
-            self._on_collapse(error)
+            self.steps.on_collapse(error)
 
     def _clip(self, parameters: Iterable[torch.Tensor] | torch.Tensor, **how: Any) -> torch.Tensor | None:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -658,7 +659,7 @@ class Accelerator:
         try:
             norm = self.precision.clip_gradients(params, self._clip_owners[1], **how)
         except LossScaleCollapse as error:
-            self._on_collapse(error)
+            self.steps.on_collapse(error)
             return None
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded: the global norm
 
@@ -675,71 +676,6 @@ class Accelerator:
         """Unscale (exactly once per iteration), then clamp every gradient element to ``[-clip_value, clip_value]``."""
         if self.sync_gradients:
             self._clip(parameters, clip_value=clip_value)
-
-    # -- each prepared optimizer's step and zero_grad come here ---------------------------
-    def _step_optimizer(self, wrapped: AcceleratedOptimizer, closure: Any) -> Any:
-        if not self.gradient_state.sync_gradients:  # (read directly: this runs on every step)
-            return None
-        first = wrapped is self.prepared.optimizers[0]
-        self.audit.observe_gradients(wrapped.optimizer)
-        models = self._observe_before_step(wrapped)
-        out = None
-        try:
-            out = self.precision.optimizer_step(wrapped.optimizer, closure)
-            if self.precision.steps is None:  # no inf/NaN check in this precision: the step was applied
-                wrapped.mark_skipped(False)
-        except LossScaleCollapse as error:
-            self._on_collapse(error, wrapped)
-        if wrapped.original_optimizer is not wrapped.optimizer:
-            # A scheduler built on the user's optimizer checks that *it* stepped (torch's flag).
-            wrapped.original_optimizer._opt_called = True
-        monitor = self.preparer.monitor
-        if monitor is not None:
-            monitor.after_step(self.optimizer_steps, models)
-        self.optimizer_steps += first
-        return out
-
-    def _zero_grad(self, wrapped: AcceleratedOptimizer, set_to_none: bool) -> None:
-        if self.gradient_state.sync_gradients:  # on accumulation steps the gradients keep adding up
-            self.precision.zero_grad(wrapped.optimizer, set_to_none=set_to_none)
-
-    def _observe_before_step(self, wrapped: AcceleratedOptimizer) -> list[torch.nn.Module] | None:
-        """Hand the diagnostics the gradients of the models this optimizer steps; returns those models."""
-        if self.monitor is None:
-            return None
-        held = {id(p) for g in wrapped.optimizer.param_groups for p in g["params"]}
-        models = [m for m in self.monitor.models if any(id(p) in held for p in m.parameters())]
-        self.monitor.before_step(self.optimizer_steps, self.precision.grads_scaled_by(wrapped.optimizer), models)
-        return models
-
-    def _on_collapse(self, error: LossScaleCollapse, wrapped: AcceleratedOptimizer | None = None) -> None:
-        """A loss-scale collapse: raised again with the tracer's culprit, or the run falls back
-        (``on_loss_scale_collapse``). Called from the ``except`` of the step that found it."""
-        if wrapped is not None:
-            wrapped.mark_skipped()
-        blame = self.monitor.blame() if self.monitor is not None else \
-            "turn on diagnostics (trace_overflow=True) to name the overflowing module"
-        if self.precision_config.on_loss_scale_collapse == "raise":
-            raise LossScaleCollapse(f"{error} Tracer: {blame}.") from None
-        # The skipped steps changed neither the parameters nor the optimizer state: they are
-        # the last applied state already. Drop the overflowing gradients and switch precision.
-        target, why = fallback_target(self.precision, self.device)
-        before = self.policy.name
-        for o in self.prepared.optimizers:
-            o.optimizer.zero_grad(set_to_none=True)
-        self._switch_precision(target)
-        self.precision_fallbacks.append({"step": self.optimizer_steps, "from": before, "to": target})
-        log_fallback(self.optimizer_steps, before, target, why, blame)
-
-    def _switch_precision(self, name: str) -> None:
-        """Run the rest of training in ``name``: one assignment, which every prepared model and
-        optimizer reads at its next call."""
-        self.precision.release()
-        # The loss scaler stays behind: the precisions a run falls back to need none.
-        self.precision = self._make_precision(name, self.device, self.precision_config.replace(loss_scaler=None))
-        self.state.mixed_precision = _accelerate_word(self.precision.policy)
-        for o in self.prepared.optimizers:
-            self.precision.track_optimizer(o.optimizer)
 
     # -- preemption ----------------------------------------------------------------------
     def preemptible(self) -> Preemption:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from mixprec.accelerator.audit import PrecisionAudit, recording_ddp_hook
 from mixprec.accelerator.configs import DataLoaderConfiguration
 from mixprec.accelerator.state import AcceleratorState, GradientState
+from mixprec.accelerator.stepping import OptimizerSteps
 from mixprec.accelerator.wrappers import (
     AcceleratedOptimizer,
     AcceleratedScheduler,
@@ -83,11 +84,11 @@ class Preparer:
     Args:
         state: who this process is and its device.
         gradient_state: gradient accumulation as the loop sees it (the schedulers and dataloaders report to it).
-        current_precision: returns the run's current precision plugin (read at each call: a precision
-            fallback is one assignment in the Accelerator).
+        steps: what a prepared optimizer's ``step`` and ``zero_grad`` do, and the run's current
+            precision, which prepared models and optimizers read at each call (a precision fallback
+            is one assignment there); it keeps the diagnostics' monitor.
         prepared: where the prepared objects are kept (what a checkpoint holds).
         audit: the precision audit, which watches each model's first step.
-        optimizer_hooks: what a prepared optimizer's ``step`` and ``zero_grad`` call.
         diagnostics: gradient statistics and overflow tracing (observe only).
         fsdp_plugin: shard models with FSDP2 when several processes run (else DDP).
         ddp_wire_dtype: the dtype DDP's all-reduce sends gradients in (``None``: as they are).
@@ -99,27 +100,27 @@ class Preparer:
     """
 
     def __init__(self, *, state: AcceleratorState, gradient_state: GradientState,
-                 current_precision: Callable[[], PrecisionPlugin], prepared: PreparedObjects, audit: PrecisionAudit,
-                 optimizer_hooks: OptimizerHooks, diagnostics: DiagnosticsConfig,
+                 steps: OptimizerSteps, prepared: PreparedObjects, audit: PrecisionAudit, diagnostics: DiagnosticsConfig,
                  fsdp_plugin: FullyShardedDataParallelPlugin | None, ddp_wire_dtype: torch.dtype | None,
                  ddp_kwargs: dict[str, Any] | None = None,
                  compile: bool | dict, dataloader_config: DataLoaderConfiguration, device_placement: bool,
                  step_scheduler_with_optimizer: bool) -> None:
-        self.state, self.gradient_state, self.current_precision = state, gradient_state, current_precision
-        self.prepared, self.audit, self.optimizer_hooks = prepared, audit, optimizer_hooks
+        self.state, self.gradient_state, self.steps = state, gradient_state, steps
+        self.current_precision: Callable[[], PrecisionPlugin] = steps.current
+        self.prepared, self.audit = prepared, audit
+        #: What the optimizers this Accelerator prepares call (``steps``, which holds nothing of theirs).
+        self.optimizer_hooks = OptimizerHooks(step=steps.step, zero_grad=steps.zero_grad, precision=steps.current)
         self.diagnostics, self.fsdp_plugin, self.ddp_wire_dtype = diagnostics, fsdp_plugin, ddp_wire_dtype
         self.ddp_kwargs = dict(ddp_kwargs or {})  # DistributedDataParallelKwargs' arguments of DDP
         self.compile, self.dataloader_config = compile, dataloader_config
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        #: The diagnostics' monitor, made by the first model prepared with diagnostics on.
-        self.monitor: Monitor | None = None
         self.sharded_params: dict[int, torch.nn.Parameter] = {}  # id(original) -> its sharded parameter
 
     def forget(self) -> None:
         """Forget what was prepared and observed (``Accelerator.free_memory``)."""
         self.prepared.clear()
-        self.monitor = None
+        self.steps.monitor = None
         self.sharded_params.clear()
 
     def prepare(self, *objects: Any, device_placement: list[bool | None] | None = None) -> Any:
@@ -215,9 +216,9 @@ class Preparer:
             self.sharded_params.update(moved)
         self.audit.watch_model(model)
         if self.diagnostics.enabled:  # after sharding: the statistics read the sharded gradients
-            if self.monitor is None:
-                self.monitor = Monitor(self.diagnostics, scaler=precision.scaler)
-            self.monitor.watch(model)
+            if self.steps.monitor is None:
+                self.steps.monitor = Monitor(self.diagnostics, scaler=precision.scaler)
+            self.steps.monitor.watch(model)
         if state.use_distributed and self.fsdp_plugin is None and not evaluation_mode \
                 and any(p.requires_grad for p in model.parameters()):  # (DDP refuses a frozen model)
             ids = [state.device.index] if state.device.type == "cuda" else None
