@@ -298,7 +298,9 @@ def test_a_dropped_accelerator_and_what_it_prepared_are_freed_at_once_not_by_the
             for _ in range(3):
                 x, y = next(self.iter)
                 self.acc.backward(torch.nn.functional.mse_loss(self.model(x).float(), y))
-                self.opt.step(); self.sched.step(); self.opt.zero_grad()
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad()
 
     Run()  # once first: what the first step imports may keep a frame (and so the run) until a collection
     gc.collect()
