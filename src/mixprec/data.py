@@ -473,9 +473,10 @@ class PreparedDataLoader(DataLoader):
         return {"epoch": self.epoch, "batches_yielded": self.batches_yielded,
                 "generator_state": start.clone(), "seed": self.seed}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue where :meth:`state_dict` was taken: the same shuffle order, at the next batch
         (with ``resume_position``) or at the first batch of the epoch that was running."""
+        state = state_dict
         self.epoch = int(state["epoch"])
         self.seed = int(state.get("seed", self.seed))
         self.synchronized_generator.set_state(state["generator_state"])
@@ -690,10 +691,10 @@ class IterableLoader:
         """The epoch and the batches yielded in it."""
         return {"epoch": self.epoch, "batches_yielded": self.batches_yielded if self._in_epoch else 0}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue at the saved epoch, at the batch after the last one yielded."""
-        self.epoch = int(state["epoch"])
-        self.skip_batches(int(state["batches_yielded"]))
+        self.epoch = int(state_dict["epoch"])
+        self.skip_batches(int(state_dict["batches_yielded"]))
 
     def __iter__(self) -> Iterator[Any]:
         if self._on_iter is not None:

@@ -431,10 +431,12 @@ class Accelerator:
         reference model): for inference, neither DDP nor FSDP2 wraps it."""
         return self.preparer.prepare_model(model, device_placement, evaluation_mode)
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          device_placement: bool | None = None) -> AcceleratedOptimizer:
         """Wrap ``optimizer`` so that ``step()`` goes through the precision plugin (bf16-true
-        first swaps a fresh AdamW/SGD for its compensated twin)."""
-        return self.preparer.prepare_optimizer(optimizer)
+        first swaps a fresh AdamW/SGD for its compensated twin); ``device_placement`` (default:
+        the Accelerator's): a state loaded into it goes to the device."""
+        return self.preparer.prepare_optimizer(optimizer, device_placement)
 
     def prepare_scheduler(self, scheduler: Any, *, steps_per_call: int | None = None) -> AcceleratedScheduler:
         """Wrap ``scheduler`` so that it steps only when its optimizer's step was applied (see
@@ -442,11 +444,21 @@ class Accelerator:
         schedule steps per applied step (the number of processes, or 1 with ``split_batches``)."""
         return self.preparer.prepare_scheduler(scheduler, steps_per_call=steps_per_call)
 
-    def prepare_data_loader(self, dataloader: torch.utils.data.DataLoader, *,
-                            checkpoint: bool = True) -> PreparedDataLoader:
-        """Batches on the device, and each process its own shard of every batch round;
-        ``checkpoint``: save and restore its position in :meth:`save_state`."""
-        return self.preparer.prepare_data_loader(dataloader, checkpoint=checkpoint)
+    def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Any = None, *, checkpoint: bool = True) -> PreparedDataLoader:
+        """Batches on the device (``device_placement``, default: the Accelerator's), and each
+        process its own shard of every batch round; ``checkpoint``: save and restore its position
+        in :meth:`save_state`.
+
+        Raises:
+            NotImplementedError: ``slice_fn_for_dispatch`` given: a dispatched batch round is sent
+                whole, one batch per process, not sliced from one joined batch.
+        """
+        if slice_fn_for_dispatch is not None:
+            raise NotImplementedError("slice_fn_for_dispatch: mixprec's dispatch sends each process a whole batch "
+                                      "of its own (Accelerate's order), it does not slice one joined batch; leave "
+                                      "it out, or slice inside the loop (accelerator.process_index)")
+        return self.preparer.prepare_data_loader(data_loader, device_placement, checkpoint=checkpoint)
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """Start ``dataloader``'s next epoch at batch ``num_batches``, without loading the ones before.
@@ -552,13 +564,17 @@ class Accelerator:
         returns its folder (``None`` if none was pending). Raises what made it fail."""
         return self.checkpointer.wait()
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, **load_kwargs: Any) -> None:
+    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict[str, Any] | None = None,
+                   **load_model_func_kwargs: Any) -> None:
         """Restore what :meth:`save_state` wrote, after verifying every file against the manifest.
 
         Without ``input_dir``, the newest automatically named checkpoint of the project. A
         dataloader resumes at the start of the epoch that was running (the loop skips what it
         has seen, e.g. with :meth:`skip_first_batches`), or, with
         ``DataLoaderConfiguration(use_stateful_dataloader=True)``, at the next unseen batch.
+        ``load_kwargs`` and ``load_model_func_kwargs`` (Accelerate's arguments of its ``torch.load``
+        and model loading) are accepted and not used: every file is read as tensors only
+        (safetensors, ``weights_only``), onto the device of what it restores.
 
         Raises:
             FileNotFoundError: no checkpoint folder there (a :class:`~mixprec.CheckpointError`).
@@ -725,8 +741,11 @@ class Accelerator:
             data = data[:keep] if objects else tree_map(lambda t: t[:keep], data)
         return data
 
-    def reduce(self, tensor: Any, reduction: str = "sum") -> Any:
-        """Sum (``"sum"``) or average (``"mean"``) ``tensor`` over all processes."""
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Sum (``"sum"``) or average (``"mean"``) ``tensor`` (each tensor of a nested structure)
+        over all processes, multiplied by ``scale`` first (Accelerate's argument)."""
+        if scale != 1.0:
+            tensor = tree_map(lambda t: t * scale if isinstance(t, torch.Tensor) else t, tensor)
         return D.reduce(tensor, reduction)
 
     def precision_report(self) -> PrecisionReport:
@@ -951,8 +970,9 @@ class Accelerator:
         """Whether ``model`` was dispatched over several devices by big-model inference (``hf_device_map``)."""
         return any(len(getattr(m, "hf_device_map", ())) > 1 for m in model.modules())
 
+    @staticmethod
     @contextlib.contextmanager
-    def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
+    def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
         """Make the next ``backward`` all-reduce the gradients even inside :meth:`no_sync` (DDP's
         ``_inside_ddp_forward`` trick, as Accelerate does); a no-op in one process."""
         if not isinstance(model, DistributedDataParallel):

@@ -128,7 +128,7 @@ class Preparer:
 
         Anything else (``None``, a list, a tokenizer) comes back unchanged, as in Accelerate; an
         object prepared already comes back as it is. ``device_placement`` (one entry per object)
-        overrides the Accelerator's for the models among them.
+        overrides the Accelerator's for the models, optimizers and dataloaders among them.
         """
         self.state.num_processes  # noqa: B018 - after state._reset_state() this says so, early
         if device_placement is not None and len(device_placement) != len(objects):
@@ -143,11 +143,12 @@ class Preparer:
                     continue
                 if getattr(obj, "_is_accelerate_prepared", False):
                     out[i] = self._register_again(obj, kind)
-                elif kind == "model":
-                    out[i] = self.prepare_model(obj, device_placement[i] if device_placement else None)
+                elif kind == "scheduler":
+                    out[i] = self.prepare_scheduler(obj)
                 else:
-                    out[i] = {"optimizer": self.prepare_optimizer, "dataloader": self.prepare_data_loader,
-                              "scheduler": self.prepare_scheduler}[kind](obj)
+                    out[i] = {"model": self.prepare_model, "optimizer": self.prepare_optimizer,
+                              "dataloader": self.prepare_data_loader}[kind](
+                        obj, device_placement=device_placement[i] if device_placement else None)
         return out[0] if len(out) == 1 else tuple(out)
 
     def _register_again(self, obj: Any, kind: str) -> Any:
@@ -232,9 +233,11 @@ class Preparer:
         self.prepared.models.append(model)
         return self._mark_prepared(model)
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          device_placement: bool | None = None) -> AcceleratedOptimizer:
         """Wrap ``optimizer`` so that ``step()`` goes through the precision plugin (bf16-true
-        first swaps a fresh AdamW/SGD for its compensated twin)."""
+        first swaps a fresh AdamW/SGD for its compensated twin); ``device_placement`` (default:
+        the Accelerator's): a state loaded into it goes to the device."""
         if isinstance(optimizer, AcceleratedOptimizer):
             if optimizer.hooks is self.optimizer_hooks:  # this Accelerator's own
                 return self._register_again(optimizer, "optimizer")
@@ -246,7 +249,9 @@ class Preparer:
         converted = precision.convert_optimizer(optimizer)
         precision.track_optimizer(converted)
         wrapped = AcceleratedOptimizer(converted, self.optimizer_hooks, original=optimizer, accelerator_state=self.state,
-                                       gradient_state=self.gradient_state, device_placement=self.device_placement)
+                                       gradient_state=self.gradient_state,
+                                       device_placement=self.device_placement if device_placement is None
+                                       else device_placement)
         self.prepared.optimizers.append(wrapped)
         return self._mark_prepared(wrapped)
 
@@ -263,12 +268,13 @@ class Preparer:
         self.prepared.schedulers.append(wrapped)
         return self._mark_prepared(wrapped)
 
-    def prepare_data_loader(self, dataloader: DataLoader, *, checkpoint: bool = True,
-                            presharded: bool = False) -> PreparedDataLoader:
+    def prepare_data_loader(self, dataloader: DataLoader, device_placement: bool | None = None, *,
+                            checkpoint: bool = True, presharded: bool = False) -> PreparedDataLoader:
         """Batches on the device, and each process its own shard of every batch round.
 
         Args:
             dataloader: the user's ``DataLoader``.
+            device_placement: move its batches to the device (default: the Accelerator's).
             checkpoint: save and restore its position in :meth:`save_state` (off for loaders
                 made afresh for each evaluation).
             presharded: its batch sampler already gives this process its own batches (a
@@ -292,7 +298,8 @@ class Preparer:
         else:
             shuffle = "continue"
             seed = D.broadcast_object(int(torch.empty((), dtype=torch.int64).random_().item())) if needs_seed else 0
-        device = self.state.device if self.device_placement else None
+        place = self.device_placement if device_placement is None else device_placement
+        device = self.state.device if place else None
         world, rank = (1, 0) if presharded else (self.state.num_processes, self.state.process_index)
         prepared = PreparedDataLoader(dataloader, device=device, world_size=world, rank=rank, seed=seed, float_dtype=self.current_precision().input_dtype,
                                       on_iter=self.gradient_state._add_dataloader,

@@ -190,11 +190,11 @@ class GradientState(_State):
         return {"num_steps": self.num_steps, "adjust_scheduler": self.adjust_scheduler,
                 "sync_with_dataloader": self.sync_with_dataloader, "sync_each_batch": self.sync_each_batch}
 
-    def _add_dataloader(self, dl: Any) -> None:
-        if dl in self.dataloader_references:
-            self.dataloader_references.remove(dl)
-        self.dataloader_references.append(dl)
+    def _add_dataloader(self, dataloader: Any) -> None:
+        if dataloader in self.dataloader_references:
+            self.dataloader_references.remove(dataloader)
+        self.dataloader_references.append(dataloader)
 
-    def _remove_dataloader(self, dl: Any) -> None:
-        if dl in self.dataloader_references:
-            self.dataloader_references.remove(dl)
+    def _remove_dataloader(self, dataloader: Any) -> None:
+        if dataloader in self.dataloader_references:
+            self.dataloader_references.remove(dataloader)

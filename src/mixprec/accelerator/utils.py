@@ -52,10 +52,10 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         torch.use_deterministic_algorithms(True)
 
 
-def gather_object(obj: list[Any] | Any) -> list[Any]:
-    """Every process's ``obj`` (picklable), concatenated in rank order when they are lists, as
-    Accelerate's ``gather_object``; ``obj`` itself in one process."""
-    parts = D.all_gather_object(obj)
+def gather_object(object: list[Any] | Any) -> list[Any]:  # noqa: A002 - Accelerate's name for it
+    """Every process's ``object`` (picklable), concatenated in rank order when they are lists, as
+    Accelerate's ``gather_object``; ``object`` itself in one process."""
+    parts = D.all_gather_object(object)
     if len(parts) == 1:
         return parts[0]
     return [x for part in parts for x in part] if all(isinstance(p, (list, tuple)) for p in parts) else parts
