@@ -50,8 +50,12 @@ def _no_op(self: Any, args: Any, state: Any, control: Any, **kwargs: Any) -> Non
     return None
 
 
+def _no_op_with_metrics(self: Any, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
+    return None  # (transformers' on_predict takes metrics by position: a subclass's super() call may pass it so)
+
+
 for _event in EVENTS:
-    setattr(TrainerCallback, _event, _no_op)
+    setattr(TrainerCallback, _event, _no_op_with_metrics if _event == "on_predict" else _no_op)
 
 
 def _does_nothing(cb: Any, event: str) -> bool:
@@ -64,7 +68,7 @@ def _does_nothing(cb: Any, event: str) -> bool:
     for klass in kind.__mro__:
         if event in vars(klass):
             f = vars(klass)[event]
-            return f is _no_op or (getattr(f, "__qualname__", "") == f"TrainerCallback.{event}"
+            return f in (_no_op, _no_op_with_metrics) or (getattr(f, "__qualname__", "") == f"TrainerCallback.{event}"
                                    and getattr(f, "__module__", "").startswith("transformers."))
     return True
 

@@ -107,7 +107,7 @@ class ProgressCallback(TrainerCallback):
         if any(k.startswith("eval_") for k in logs):
             self.training_bar.write(" ".join(f"{k}={self._shown(v)}" for k, v in logs.items()))
 
-    def on_prediction_step(self, args, state, control, **kwargs):
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
         # An evaluation inside training can take longer than many steps: say so on the bar (a line
         # of its own in a log), where transformers opens a second bar.
         if self.training_bar is not None and self.training_bar.desc != "train (evaluating)":

@@ -105,18 +105,18 @@ def decay_parameter_names(model: torch.nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters() if n not in in_norms and not _NO_DECAY_NAME.search(n.lower())]
 
 
-def build_optimizer(args: Any, model: torch.nn.Module,
-                    cls_and_kwargs: tuple[type, dict[str, Any]] | None = None) -> torch.optim.Optimizer:
+def build_optimizer(args: Any, model: torch.nn.Module, cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
+                    decay: list[str] | None = None) -> torch.optim.Optimizer:
     """The optimizer ``args.optim`` names (with ``args.optim_args``), or ``cls_and_kwargs``, over the
-    trainable parameters in Hugging Face's two groups: ``args.weight_decay`` on
-    :func:`decay_parameter_names`, none on the others. Every name transformers knows is built by
+    trainable parameters in Hugging Face's two groups: ``args.weight_decay`` on the parameters named
+    in ``decay`` (default: :func:`decay_parameter_names`), none on the others. Every name transformers knows is built by
     transformers' own ``Trainer.get_optimizer_cls_and_kwargs`` (an optimizer from a package that is
     not installed is its error, naming the package); AdamW and SGD without ``optim_args`` take
     torch's fused kernels where the parameters allow."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # Always transformers' two groups (even with weight_decay=0, as transformers builds them): a
     # checkpoint's optimizer.pt is then transformers' file as it is, not a second, regrouped copy.
-    decay = set(decay_parameter_names(model))
+    decay = set(decay_parameter_names(model) if decay is None else decay)
     groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
               {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
     params = [p for _, p in named]

@@ -424,11 +424,14 @@ class Trainer:
         return self.accelerator.preparer.prepare_iterable(dl, checkpoint=checkpoint)
 
     # -- optimizer ---------------------------------------------------------------------------
-    def create_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW (or SGD) as ``args`` say, or ``optimizer_cls_and_kwargs``; no weight decay on
-        biases and norm weights (1-d tensors). Sets and returns ``self.optimizer``."""
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """AdamW (or SGD) as ``args`` say, or ``optimizer_cls_and_kwargs``, over ``model``'s
+        parameters (default: the Trainer's model); no weight decay on biases and norm weights
+        (1-d tensors). Sets and returns ``self.optimizer``."""
         if self.optimizer is None:
-            self.optimizer = build_optimizer(self.args, self.model, self.optimizer_cls_and_kwargs)
+            model = self.model if model is None else model
+            self.optimizer = build_optimizer(self.args, model, self.optimizer_cls_and_kwargs,
+                                             decay=self.get_decay_parameter_names(model))  # (a subclass's rule too)
         return self.optimizer
 
     def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
@@ -654,7 +657,10 @@ class Trainer:
         self._metric_schedule = self._metric_driven_schedule()
         self._counts_flos = (type(self).floating_point_ops is not Trainer.floating_point_ops
                              or hasattr(self.model, "num_parameters"))
-        start_time = time.time()
+        # transformers' arguments of _maybe_log_save_evaluate: the loss since the last log is read
+        # (folded on the device) at each step only for a subclass's override, which may use it.
+        self._passes_loss = type(self)._maybe_log_save_evaluate is not Trainer._maybe_log_save_evaluate
+        start_time = self._train_start_time = time.time()
         self._log_training_summary(train_dl, resume_path, examples, update_steps)
         self.callback_handler.train_dataloader = train_dl
         self._event("on_train_begin")
@@ -728,7 +734,7 @@ class Trainer:
             if self._preempted_at is not None:  # stop as saved: no epoch-end evaluation after the checkpoint
                 break
             self._event("on_epoch_end")
-            self._maybe_log_save_evaluate(model)
+            self._log_save_evaluate(model)
             if self.control.should_training_stop or self.state.global_step >= max_steps:
                 break
 
@@ -790,7 +796,7 @@ class Trainer:
         if self._preemption is not None and self._preemption.requested():  # SIGTERM: every rank, this step
             self.control.should_save = self.control.should_training_stop = True
             self._preempted_at = self.state.global_step
-        self._maybe_log_save_evaluate(model)
+        self._log_save_evaluate(model)
         if self._preempted_at == self.state.global_step:
             log.warning("mixprec: SIGTERM received; stopped after step %d with a checkpoint in %s; exiting with "
                         "status %d (continue with resume_from_checkpoint=True)", self.state.global_step,
@@ -819,13 +825,19 @@ class Trainer:
         d = precision_drift(inner, batch, loss_of, self.accelerator.autocast)
         self.log({"drift_loss_fp32": d["loss_fp32"], "drift_loss_mixed": d["loss_mixed"], "drift_rel": d["rel_diff"]})
 
-    def training_step(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
-        """Forward, loss, backward (scaled where the policy needs it); returns the detached loss."""
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """Forward, loss, backward (scaled where the policy needs it); returns the detached loss.
+
+        ``num_items_in_batch`` (transformers' argument, which a subclass may pass on to ``super()``)
+        goes to :meth:`compute_loss` where given; mixprec's loop passes none (the loss is the
+        model's own mean, see the README's differences)."""
         if not model.training:  # train() walks every module: not on every step
             model.train()
         if self._optimizer_has_modes():  # schedule-free optimizers have modes, as HF calls them
             self.optimizer.train()
-        loss = self.compute_loss(model, inputs)
+        # (only where given: a compute_loss overridden before transformers added the argument has none)
+        loss = self.compute_loss(model, inputs) if num_items_in_batch is None else \
+            self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if self.loss_is_scaled_for_ga:  # compute_loss divided it by the accumulation steps already
             self.accelerator.precision.backward(loss)
         else:
@@ -911,15 +923,31 @@ class Trainer:
         return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
 
     # -- log / evaluate / save ------------------------------------------------------------
-    def _maybe_log_save_evaluate(self, model: torch.nn.Module) -> None:
-        """Log, evaluate and save as the control says (the DefaultFlowCallback decides, Hugging Face's way)."""
+    def _log_save_evaluate(self, model: torch.nn.Module) -> None:
+        """:meth:`_maybe_log_save_evaluate` with transformers' arguments, after a step or an epoch."""
+        self._maybe_log_save_evaluate(self._loss_since_log.total() if self._passes_loss else None, self._grad_norm,
+                                      model, None, self.state.epoch, self._ignore_keys_for_eval,
+                                      self._train_start_time, learning_rate=self._learning_rate)
+
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor | None = None, grad_norm: Any = None,
+                                 model: torch.nn.Module | None = None, trial: Any = None, epoch: float | None = None,
+                                 ignore_keys_for_eval: list[str] | None = None, start_time: float | None = None,
+                                 learning_rate: float | None = None) -> None:
+        """Log, evaluate and save as the control says (the DefaultFlowCallback decides, Hugging Face's way).
+
+        The arguments are transformers' (a subclass that overrides this passes them on to ``super()``):
+        the loss summed since the last log (``None`` unless a subclass overrides this method), the
+        last gradient norm, the model, no trial, the epoch, the evaluation's ``ignore_keys``, the
+        training's start and the last step's learning rate. What is logged is read from the Trainer
+        itself, as transformers' own reads its values."""
         s, c = self.state, self.control
         if c.should_log and self._done["log"] != s.global_step and self._steps_since_log:
             self.store_flos()
             self._log_training()
         metrics = None
         if c.should_evaluate and self._done["evaluate"] != s.global_step and self.eval_dataset is not None:
-            metrics = self.evaluate(ignore_keys=getattr(self, "_ignore_keys_for_eval", None))
+            metrics = self.evaluate(ignore_keys=ignore_keys_for_eval if ignore_keys_for_eval is not None
+                                    else getattr(self, "_ignore_keys_for_eval", None))
             self._done["evaluate"] = s.global_step
             if self._metric_driven_schedule():
                 self.lr_scheduler.step(self._metric_for_schedule(metrics))
@@ -928,7 +956,7 @@ class Trainer:
             c.should_save = improved
         if c.should_save and self._done["save"] != s.global_step:
             try:
-                self._save_checkpoint(improved)
+                self._save_checkpoint(model, trial)
             except OSError as e:  # nothing was left behind; the previous checkpoint is complete
                 if self.args.on_save_error == "raise" or self._preempted_at is not None:
                     raise
@@ -998,14 +1026,18 @@ class Trainer:
         better = best is None or (value > best if self.args.greater_is_better else value < best)
         if better:
             self.state.best_metric = value
+            if self.args.save_strategy != "no":  # (transformers': the step whose checkpoint is the best)
+                self.state.best_global_step = self.state.global_step
         return better
 
-    def _save_checkpoint(self, improved: bool) -> Path:
+    def _save_checkpoint(self, model: torch.nn.Module | None = None, trial: Any = None) -> Path:
+        """Write ``checkpoint-<global_step>`` (atomically, with its manifest), the best one if this
+        step's evaluation set the best metric; rotate; ``on_save``. ``model`` and ``trial`` are
+        transformers' arguments (the Trainer's model is saved; there is no trial)."""
         out = Path(self.args.output_dir)
         path = out / f"checkpoint-{self.state.global_step}"
-        if improved:
+        if self.state.best_global_step == self.state.global_step:
             self.state.best_model_checkpoint = str(path)
-            self.state.best_global_step = self.state.global_step
         self._read_scaler_into_state()
         self.store_flos()
         self._flush_tokens()
@@ -1156,7 +1188,7 @@ class Trainer:
                              finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
                              dataset=dataset, dataset_args=dataset_args)
 
-    def init_hf_repo(self, token: str | None = None) -> None:
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         """Not supported: mixprec does not create Hub repositories (``huggingface_hub.create_repo``)."""
         raise NotImplementedError("Trainer.init_hf_repo is not supported by mixprec (it does not upload); create the "
                                   "repository with huggingface_hub.create_repo(repo_id)")

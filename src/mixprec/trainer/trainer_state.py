@@ -87,14 +87,14 @@ class TrainerState:
         """mixprec's own fields as JSON (``mixprec_trainer_state.json`` beside ``trainer_state.json``)."""
         return json.dumps({k: getattr(self, k) for k in MIXPREC_STATE_FIELDS}, indent=2, sort_keys=True) + "\n"
 
-    def save_to_json(self, path: str | Path) -> None:
-        """Write :meth:`to_json_string` to ``path``."""
-        Path(path).write_text(self.to_json_string())
+    def save_to_json(self, json_path: str | Path) -> None:
+        """Write :meth:`to_json_string` to ``json_path``."""
+        Path(json_path).write_text(self.to_json_string())
 
     @classmethod
-    def load_from_json(cls, path: str | Path) -> TrainerState:
+    def load_from_json(cls, json_path: str | Path) -> TrainerState:
         """Read ``trainer_state.json`` (and ``mixprec_trainer_state.json`` beside it, where present)."""
-        path = Path(path)
+        path = Path(json_path)
         data = json.loads(path.read_text())
         extra = path.with_name("mixprec_trainer_state.json")
         if extra.is_file():
