@@ -177,6 +177,61 @@ def test_accelerator_config_and_debug_reach_the_accelerator(tmp_path):
     assert trainer.args.accelerator_config["use_seedable_sampler"] is True and acc.diagnostics.trace_overflow
 
 
+def test_num_steps_in_the_accelerator_config_is_the_accumulation_as_transformers_takes_it(tmp_path):
+    """transformers' tests/trainer/test_trainer_accelerator.py: ``gradient_accumulation_kwargs``'
+    ``num_steps`` becomes the accumulation where the arguments give none; with both, an error."""
+    def config():  # (a fresh dict for each: transformers writes num_steps=1 into the one it is given)
+        return {"gradient_accumulation_kwargs": {"num_steps": 2, "sync_each_batch": True}}
+
+    for lib in (transformers, mixprec):
+        trainer = _trainer(lib, tmp_path, accelerator_config=config())
+        assert trainer.args.gradient_accumulation_steps == 2, lib
+        assert trainer.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] is True
+    assert trainer.accelerator.gradient_accumulation_steps == 2  # mixprec's Accelerator accumulates
+    trainer.create_accelerator_and_postprocess()  # again (model_init, auto_find_batch_size): the count holds
+    assert trainer.accelerator.gradient_accumulation_steps == trainer.args.gradient_accumulation_steps == 2
+    for lib in (transformers, mixprec):
+        with pytest.raises(ValueError, match="`num_steps` is set but `gradient_accumulation_steps` is greater than 1"):
+            _trainer(lib, tmp_path, accelerator_config=config(), gradient_accumulation_steps=3)
+
+
+def test_the_accelerator_config_class_itself_is_refused_as_transformers_refuses_it(tmp_path):
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    for lib in (transformers, mixprec):
+        with pytest.raises(NotImplementedError, match="fully constructed `AcceleratorConfig`"):
+            _trainer(lib, tmp_path, accelerator_config=AcceleratorConfig)
+
+
+def test_gradient_states_plugin_kwargs_hold_what_accelerates_do():
+    """Accelerate's ``plugin_kwargs`` are the plugin's ``to_kwargs()``: the fields set away from
+    their defaults (transformers' test_accelerator_config_empty reads them)."""
+    import accelerate
+
+    for plugin in (None, {"num_steps": 2, "sync_each_batch": True}, {"num_steps": 3, "adjust_scheduler": False}):
+        theirs = accelerate.Accelerator(cpu=True, gradient_accumulation_plugin=plugin and
+                                        accelerate.utils.GradientAccumulationPlugin(**plugin))
+        ours = mixprec.Accelerator(cpu=True, gradient_accumulation_plugin=plugin and
+                                   mixprec.GradientAccumulationPlugin(**plugin))
+        assert ours.gradient_state.plugin_kwargs == theirs.gradient_state.plugin_kwargs, plugin
+
+
+def test_a_kubeflow_trainjob_turns_on_transformers_kubeflow_callback(tmp_path, monkeypatch):
+    """As transformers' TrainingArguments: with ``KUBEFLOW_TRAINER_SERVER_URL`` set, ``report_to``
+    gains ``"kubeflow"`` (once), and the Trainer reports through transformers' KubeflowCallback."""
+    from transformers.integrations import KubeflowCallback
+
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_URL", "https://example.invalid")
+    for report_to in ("none", "tensorboard", ["kubeflow", "tensorboard"]):
+        theirs = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=report_to).report_to
+        ours = mixprec.TrainingArguments(output_dir=str(tmp_path), report_to=report_to).report_to
+        assert sorted(ours) == sorted(theirs) and ours.count("kubeflow") == 1, report_to
+    trainer = _trainer(mixprec, tmp_path)
+    assert any(isinstance(cb, KubeflowCallback) for cb in trainer.callback_handler.callbacks)
+    monkeypatch.setenv("DISABLE_KUBEFLOW_INTEGRATION", "true")
+    assert "kubeflow" not in mixprec.TrainingArguments(output_dir=str(tmp_path)).report_to
+
+
 def test_auto_find_batch_size_retries_smaller_after_out_of_memory(tmp_path, caplog):
     class Hungry(_Regressor):
         def forward(self, x, labels=None):

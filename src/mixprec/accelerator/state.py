@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mixprec.accelerator.configs import GradientAccumulationPlugin
 from mixprec.accelerator.processes import PROCESS_API, Processes, expose
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState"]
@@ -187,8 +188,12 @@ class GradientState(_State):
 
     @property
     def plugin_kwargs(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps, "adjust_scheduler": self.adjust_scheduler,
-                "sync_with_dataloader": self.sync_with_dataloader, "sync_each_batch": self.sync_each_batch}
+        """The accumulation plugin's settings that differ from its defaults (Accelerate's ``to_kwargs()``:
+        ``num_steps`` always, its default being none)."""
+        values = {"num_steps": self.num_steps, "adjust_scheduler": self.adjust_scheduler,
+                  "sync_with_dataloader": self.sync_with_dataloader, "sync_each_batch": self.sync_each_batch}
+        defaults = GradientAccumulationPlugin()
+        return {k: v for k, v in values.items() if k == "num_steps" or v != getattr(defaults, k)}
 
     def _add_dataloader(self, dataloader: Any) -> None:
         if dataloader in self.dataloader_references:

@@ -32,8 +32,9 @@ _HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 # The run's precision in Accelerate's words (transformers' ``args.mixed_precision``); others keep their name.
 _ACCELERATE_PRECISION = {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16"}
 
-# mixprec's own loggers; every tracker of mixprec.tracking (wandb, mlflow, ...) is a report_to name too.
-_OWN_REPORTERS = ("none", "jsonl", "tensorboard", "all")
+# mixprec's own loggers; every tracker of mixprec.tracking (wandb, mlflow, ...) is a report_to name too,
+# and "kubeflow", transformers' own KubeflowCallback (progress to a Kubeflow TrainJob's controller).
+_OWN_REPORTERS = ("none", "jsonl", "tensorboard", "all", "kubeflow")
 # transformers' report_to names for integrations mixprec's tracking layer does not have.
 _NOT_INTEGRATED = ("azure_ml", "codecarbon", "dagshub", "flyte", "neptune")
 # Hugging Face's AcceleratorConfig fields: DataLoaderConfiguration's, and the accumulation's and state's.
@@ -81,6 +82,13 @@ def _typed_values(d: dict[str, Any]) -> dict[str, Any]:
             elif value.replace(".", "", 1).isdigit():
                 d[key] = float(value)
     return d
+
+
+def _in_kubeflow_trainjob() -> bool:
+    """Whether this runs in a Kubeflow TrainJob that takes progress reports (transformers' test:
+    ``KUBEFLOW_TRAINER_SERVER_URL`` set, ``DISABLE_KUBEFLOW_INTEGRATION`` not TRUE)."""
+    return (os.environ.get("DISABLE_KUBEFLOW_INTEGRATION", "FALSE").upper() != "TRUE"
+            and os.environ.get("KUBEFLOW_TRAINER_SERVER_URL") is not None)
 
 
 def _reporter_names() -> tuple[str, ...]:
@@ -546,6 +554,8 @@ class TrainingArguments:
         elif isinstance(value, (str, enum.Enum)):
             value = [value]
         self.report_to = [_plain(r) for r in value]
+        if _in_kubeflow_trainjob() and "kubeflow" not in self.report_to:  # transformers turns it on there too
+            self.report_to.append("kubeflow")
         for r in self.report_to:
             if r in _NOT_INTEGRATED:
                 raise ValueError(f"report_to={r!r}: that integration is not part of mixprec; choose among "
@@ -806,6 +816,10 @@ class TrainingArguments:
         value = self.accelerator_config
         if value is None:
             return dict(_ACCELERATOR_CONFIG)
+        if isinstance(value, type):  # the class itself, not an instance of it (transformers' error)
+            raise NotImplementedError("Tried passing in a callable to `accelerator_config`, but this is not supported. "
+                                      "Please pass in a fully constructed `AcceleratorConfig` object instead "
+                                      f"({value.__name__}(...)), or a dict of its fields.")
         if isinstance(value, (str, os.PathLike)):
             value = json.loads(Path(value).read_text())
         elif dataclasses.is_dataclass(value):

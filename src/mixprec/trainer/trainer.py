@@ -188,7 +188,8 @@ class Trainer:
         # Hugging Face's order: the flow, the reporters, the user's, then the progress display.
         default: list[Any] = [hf_compatible(DefaultFlowCallback)]
         default += [TensorBoardCallback] if "tensorboard" in self.args.reporters else []
-        trackers = sorted(self.args.reporters - {"jsonl", "tensorboard"})  # through mixprec.tracking
+        default += [_kubeflow_callback()] if "kubeflow" in self.args.reporters else []
+        trackers = sorted(self.args.reporters - {"jsonl", "tensorboard", "kubeflow"})  # through mixprec.tracking
         default += [TrackerCallback(trackers)] if trackers else []
         self._jsonl = JsonlLoggerCallback() if "jsonl" in self.args.reporters else None  # the Trainer's own record
         self.callback_handler = CallbackHandler(default + list(callbacks or []), self.model, processing_class,
@@ -226,10 +227,18 @@ class Trainer:
         settings = a.accelerator_config  # Hugging Face's, as validate() filled it in
         loaders = {k: settings[k] for k in ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler",
                                             "non_blocking")}
+        accumulation = dict(settings["gradient_accumulation_kwargs"] or {})
+        if "num_steps" in accumulation:  # transformers' rule: the config's count where the arguments give none
+            # (a second Accelerator, for model_init or auto_find_batch_size, finds the count taken already)
+            if a.gradient_accumulation_steps > 1 and accumulation["num_steps"] != a.gradient_accumulation_steps:
+                raise ValueError("The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is "
+                                 f"greater than 1 ({a.gradient_accumulation_steps}) in the passed `TrainingArguments`: "
+                                 "give one of them (leave gradient_accumulation_steps at 1 to use num_steps)")
+            a.gradient_accumulation_steps = int(accumulation.pop("num_steps"))
         self.accelerator = Accelerator(
             mixed_precision=a.resolved_precision, cpu=a.use_cpu, precision_config=a.precision_config,
-            gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=a.gradient_accumulation_steps, **(settings["gradient_accumulation_kwargs"] or {})),
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=a.gradient_accumulation_steps,
+                                                                    **accumulation),
             compile=(compile_options or True) if a.torch_compile else False, kwargs_handlers=a.ddp_handlers(),
             # The Trainer resumes mid-epoch from the loader's saved position (it never skips batches itself).
             dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, data_seed=a.data_seed, **loaders),
@@ -1338,6 +1347,17 @@ class Trainer:
     def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """``metrics`` made readable (runtimes as h:mm:ss, floats to 4 digits)."""
         return format_metrics(metrics)
+
+
+def _kubeflow_callback() -> Any:
+    """transformers' ``KubeflowCallback`` (``report_to="kubeflow"``: progress and metrics to the
+    Kubeflow Trainer controller of the TrainJob this runs in)."""
+    try:
+        from transformers.integrations import KubeflowCallback
+    except ImportError:
+        raise ImportError("report_to='kubeflow' reports through transformers' KubeflowCallback: pip install "
+                          "transformers (or mixprec[hf])") from None
+    return KubeflowCallback
 
 
 def _empty_device_cache(device: torch.device) -> None:
