@@ -15,6 +15,7 @@ from mixprec import (
     DataLoaderConfiguration,
     DistributedType,
     GradientAccumulationPlugin,
+    LossScaler,
     ProjectConfiguration,
 )
 
@@ -474,3 +475,45 @@ def test_preemptible_turns_sigterm_into_should_stop_and_restores_the_handler():
         os.kill(os.getpid(), signal.SIGTERM)  # the process is not killed: the flag is set
         assert acc.should_stop is True and acc.should_stop is True
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_assigned_scaler_steps_every_prepared_optimizer_from_then_on():
+    """``accelerator.scaler = torch.amp.GradScaler(...)`` (Accelerate's attribute, which
+    transformers' own tests assign): taken with its settings and state, it scales the next
+    backward and decides the next steps; ``None`` scales nothing; fp32 has no use for one."""
+    acc = Accelerator(mixed_precision="fp16", cpu=True)
+    model, opt, dl = acc.prepare(*parts())
+    train(acc, model, opt, dl)  # steps under the default scaler first: the new one takes over mid-run
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    assert isinstance(acc.scaler, LossScaler) and acc.scaler.get_scale() == 2.0**10
+    assert opt.scaler is acc.scaler and acc.scaler.get_growth_interval() == 2
+    x, y = next(iter(dl))
+    for _ in range(2):  # two clean steps: growth_interval=2 doubles the scale once
+        acc.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+        opt.step()
+        opt.zero_grad()
+    assert acc.scaler.get_scale() == 2.0**11 and not opt.step_was_skipped
+    before = acc.unwrap_model(model).weight.detach().clone()
+    acc.backward(torch.nn.functional.mse_loss(model(x).float(), y) * float("inf"))
+    opt.step()
+    opt.zero_grad()
+    assert opt.step_was_skipped and acc.scaler.get_scale() == 2.0**10
+    assert torch.equal(acc.unwrap_model(model).weight, before)
+
+    acc.scaler = None  # nothing scaled: the gradient is the loss's own
+    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    acc.backward(loss)
+    grad = acc.unwrap_model(model).weight.grad.clone()
+    opt.zero_grad()
+    reference = torch.autograd.grad(torch.nn.functional.mse_loss(model(x).float(), y),
+                                    acc.unwrap_model(model).weight)[0]
+    assert acc.scaler is None and torch.allclose(grad, reference)
+    assert "loss scaler" in acc.precision_report().line()
+
+    with pytest.raises(ValueError, match="does nothing for fp32"):
+        Accelerator(cpu=True).scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(TypeError, match="LossScaler or a torch.amp.GradScaler"):
+        acc.scaler = 2.0
+    acc.native_amp = True  # (transformers' tests set it beside the scaler: fp16 runs under autocast already)
+    with pytest.raises(ValueError, match="native_amp follows the precision"):
+        Accelerator(cpu=True).native_amp = True

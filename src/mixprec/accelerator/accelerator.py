@@ -354,8 +354,18 @@ class Accelerator:
 
     @property
     def scaler(self) -> LossScaler | None:
-        """The current precision's loss scaler (``None`` without one, or after a precision fallback)."""
+        """The current precision's loss scaler (``None`` without one, or after a precision fallback).
+
+        Assignable, as Accelerate's: a :class:`~mixprec.LossScaler` or a ``torch.amp.GradScaler``
+        (taken with its settings and state) steps every prepared optimizer from then on; ``None``
+        scales nothing (see :meth:`~mixprec.precision.base.PrecisionPlugin.use_scaler`)."""
         return self.precision.scaler
+
+    @scaler.setter
+    def scaler(self, scaler: LossScaler | torch.amp.GradScaler | None) -> None:
+        self.precision.use_scaler(scaler)
+        if self.monitor is not None:
+            self.monitor.use_scaler(self.precision.scaler)
 
     # Accelerate's names for the prepared objects (its users and tests read them).
     @property
@@ -896,8 +906,15 @@ class Accelerator:
 
     @property
     def native_amp(self) -> bool:
-        """Whether torch's autocast is in force (fp16 or bf16 mixed precision)."""
+        """Whether torch's autocast is in force (fp16 or bf16 mixed precision). Assigning the value
+        it has is allowed (Accelerate's is an attribute); another one raises: the precision decides it."""
         return self.policy.autocast_enabled
+
+    @native_amp.setter
+    def native_amp(self, value: bool) -> None:
+        if bool(value) != self.native_amp:
+            raise ValueError(f"native_amp follows the precision ({self.policy.name}: {self.native_amp}); choose "
+                             "the precision instead (mixed_precision='fp16' or 'bf16' runs under autocast)")
 
     @property
     def should_save_model(self) -> bool:

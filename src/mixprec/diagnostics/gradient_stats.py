@@ -140,6 +140,18 @@ class GradientStats:
         self._binning: Binning | None = None
 
     @property
+    def scale_source(self) -> ScaleLike:
+        """Where the "at scale" pass reads the loss scale (set it when the run's scaler is replaced)."""
+        return self._scale_source
+
+    @scale_source.setter
+    def scale_source(self, source: ScaleLike) -> None:
+        if not (source is None or _is_scale_like(source) or callable(source)):
+            raise TypeError(f"scale_source must be None, a number, a 0-d tensor, a callable returning one, or a "
+                            f"LossScaler/GradScaler; got {type(source).__name__}")
+        self._scale_source = source
+
+    @property
     def enabled(self) -> bool:
         """Whether :meth:`observe` does anything."""
         return self._every > 0

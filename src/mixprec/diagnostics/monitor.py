@@ -100,6 +100,12 @@ class Monitor:
         if model is not None:
             self.watch(model)
 
+    def use_scaler(self, scaler: Any) -> None:
+        """Read ``scaler``'s scale from now on (the run's loss scaler was replaced)."""
+        self.scaler = scaler
+        for stats in self._stats:
+            stats.scale_source = scaler
+
     def watch(self, model: torch.nn.Module) -> None:
         """Observe ``model`` too (a model already watched is not added twice)."""
         if any(m is model for m in self.models):

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.amp import GradScaler
 
 from mixprec.precision import optimizer_calls
 from mixprec.precision.config import PrecisionConfig
@@ -73,6 +74,35 @@ class PrecisionPlugin:
         self._scaler = self._make_scaler(self.config)
         #: The step when the loss is scaled or inf/NaN steps are skipped (``None``: plain torch calls).
         self.steps = ScaledSteps(self._scaler) if self._scaler is not None and self._scaler.is_enabled() else None
+
+    def use_scaler(self, scaler: LossScaler | GradScaler | None) -> None:
+        """Step with ``scaler`` from now on (Accelerate's ``accelerator.scaler = ...``), for the
+        optimizers tracked so far too. A ``torch.amp.GradScaler`` is taken as the
+        :class:`LossScaler` with its settings and state, on this precision's device; ``None``
+        scales nothing and checks no step for inf/NaN (``precision_report()`` then says fp16 lacks one).
+
+        Raises:
+            TypeError: neither a GradScaler nor ``None``.
+            ValueError: a scaler for a precision that takes none (fp32, bf16-true).
+        """
+        if scaler is not None and not isinstance(scaler, LossScaler):
+            if not isinstance(scaler, GradScaler):
+                raise TypeError(f"the loss scaler must be a mixprec.LossScaler or a torch.amp.GradScaler (or None), "
+                                f"got {type(scaler).__name__}")
+            taken = LossScaler(self.device.type, enabled=scaler.is_enabled())
+            taken.load_state_dict(scaler.state_dict())  # its scale, growth and backoff factors, interval, tracker
+            scaler = taken
+        if scaler is not None and not (self.policy.needs_loss_scaler or self.accepts_loss_scaler
+                                       or self.config.guards_nonfinite):
+            raise ValueError(f"a loss scaler does nothing for {self.policy.name}: fp32's and bf16's range need no "
+                             "scaling; use mixed_precision='fp16'")
+        tracked = self.steps.optimizers if self.steps is not None else []
+        if self.steps is not None:
+            self.steps.release()
+        self._scaler = scaler
+        self.steps = ScaledSteps(scaler) if scaler is not None and scaler.is_enabled() else None
+        for optimizer in tracked if self.steps is not None else []:
+            self.steps.track_optimizer(optimizer)
 
     def _make_scaler(self, config: PrecisionConfig) -> LossScaler | None:
         given = config.loss_scaler

@@ -59,6 +59,11 @@ class ScaledSteps:
     def scaler(self) -> LossScaler:
         return self._scaler
 
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers tracked, in the order they were prepared."""
+        return list(self._optimizers.values())
+
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizers.setdefault(id(optimizer), optimizer)
         if len(self._optimizers) == 2:
