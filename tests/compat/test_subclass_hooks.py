@@ -47,6 +47,23 @@ def _subclass(base: type) -> type:
             self.calls.append(f"save@{self.state.global_step}")
             return super()._save_checkpoint(model, trial)
 
+        def _get_train_sampler(self, train_dataset=None):  # the dataset backwards: a sampler of the subclass's own
+            self.calls.append("sampler")
+            return list(range(len(train_dataset if train_dataset is not None else self.train_dataset)))[::-1]
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            inputs = self._prepare_inputs(inputs)  # (a common line of custom losses)
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
+        def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler=False):
+            self.calls.append(f"evaluate@{self.state.global_step}")
+            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler)
+
+        def _determine_best_metric(self, metrics, trial):
+            self.calls.append("best?")
+            return super()._determine_best_metric(metrics, trial)
+
     return Recording
 
 
@@ -64,10 +81,15 @@ def _run(base: type, args_cls: type, out: str) -> tuple[object, dict]:
 def test_a_subclass_overriding_transformers_hooks_runs_on_mixprec_as_on_transformers(tmp_path, one_thread):
     theirs, their_weights = _run(transformers.Trainer, transformers.TrainingArguments, str(tmp_path / "hf"))
     ours, our_weights = _run(mixprec.Trainer, mixprec.TrainingArguments, str(tmp_path / "mp"))
-    assert theirs.calls[:2] == ours.calls[:2] == ["create_optimizer(NoneType)", "get_decay_parameter_names"]
-    for name in ("training_step", "log", "save@3", "save@6"):
+    def before_training(calls):  # (transformers makes the loader before the optimizer, mixprec after: either order)
+        return sorted(calls[:calls.index("training_step")])
+
+    assert before_training(ours.calls) == before_training(theirs.calls) == [
+        "create_optimizer(NoneType)", "get_decay_parameter_names", "sampler"]
+    for name in ("training_step", "log", "save@3", "save@6", "sampler", "evaluate@3", "evaluate@6", "best?"):
         assert ours.calls.count(name) == theirs.calls.count(name), name
-    # The subclass's decay rule (none) made both optimizers alike: the same weights at the end.
+    assert ours.calls.count("sampler") >= 1 and ours.calls.count("best?") == 2
+    # The subclass's decay rule (none) and its sampler (the rows backwards) held in both: the same weights.
     assert all(g["weight_decay"] == 0.0 for g in ours.optimizer.param_groups if g["params"])
     for k in their_weights:
         torch.testing.assert_close(our_weights[k], their_weights[k], rtol=1e-5, atol=1e-6)

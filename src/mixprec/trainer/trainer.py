@@ -331,15 +331,34 @@ class Trainer:
             kwargs["batch_sampler"] = self._rebalance_sampler(ds)
             return self.accelerator.preparer.prepare_data_loader(DataLoader(ds, **kwargs), checkpoint=checkpoint,
                                                                  presharded=True)
-        if not iterable and a.train_sampling_strategy == "group_by_length":
-            kwargs["sampler"] = self._length_grouped_sampler(ds, batch_size * a.gradient_accumulation_steps
-                                                             if shuffle else batch_size, shuffle)
-        elif shuffle and not iterable and a.train_sampling_strategy == "random":
+        sampler = self._get_train_sampler(ds) if shuffle else self._get_eval_sampler(ds)  # (a subclass's too)
+        if sampler is not None:
+            kwargs["sampler"] = sampler
+        return self.accelerator.prepare_data_loader(DataLoader(ds, **kwargs), checkpoint=checkpoint)
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        """The training sampler ``train_sampling_strategy`` names, over ``train_dataset`` (default:
+        the Trainer's) as the dataloader reads it; ``None``: the dataset's order. transformers'
+        hook: a subclass overrides it to sample otherwise, and the prepared loader shards what it gives."""
+        ds = self.train_dataset if train_dataset is None else train_dataset
+        if ds is None or isinstance(ds, IterableDataset):
+            return None
+        a = self.args
+        if a.train_sampling_strategy == "group_by_length":
+            return self._length_grouped_sampler(ds, self._train_batch_size * a.gradient_accumulation_steps, True)
+        if a.train_sampling_strategy == "random":
             # Shuffled by the prepared loader as transformers' is (Accelerate's seedable sampler, the
             # default of accelerator_config): epoch e's order from data_seed (else torch's initial
             # seed, which the Trainer set to seed) + e, the same on every process.
-            kwargs["sampler"] = RandomSampler(ds)
-        return self.accelerator.prepare_data_loader(DataLoader(ds, **kwargs), checkpoint=checkpoint)
+            return RandomSampler(ds)
+        return None
+
+    def _get_eval_sampler(self, eval_dataset: Any) -> Any:
+        """The evaluation (and prediction) sampler: in order (``None``), or grouped by length with
+        ``train_sampling_strategy="group_by_length"``; transformers' hook, as :meth:`_get_train_sampler`."""
+        if isinstance(eval_dataset, IterableDataset) or self.args.train_sampling_strategy != "group_by_length":
+            return None
+        return self._length_grouped_sampler(eval_dataset, self.args.eval_batch_size, False)
 
     def _length_grouped_sampler(self, ds: Any, megabatch: int, training: bool) -> Any:
         """transformers' ``LengthGroupedSampler`` over ``ds`` (``train_sampling_strategy="group_by_length"``):
@@ -955,12 +974,10 @@ class Trainer:
             self._log_training()
         metrics = None
         if c.should_evaluate and self._done["evaluate"] != s.global_step and self.eval_dataset is not None:
-            metrics = self.evaluate(ignore_keys=ignore_keys_for_eval if ignore_keys_for_eval is not None
-                                    else getattr(self, "_ignore_keys_for_eval", None))
+            metrics = self._evaluate(trial, ignore_keys_for_eval if ignore_keys_for_eval is not None
+                                     else getattr(self, "_ignore_keys_for_eval", None))
             self._done["evaluate"] = s.global_step
-            if self._metric_driven_schedule():
-                self.lr_scheduler.step(self._metric_for_schedule(metrics))
-        improved = self._track_best(metrics) if metrics is not None else False
+        improved = self._determine_best_metric(metrics, trial) if metrics is not None else False
         if metrics is not None and self.args.save_strategy == "best":
             c.should_save = improved
         if c.should_save and self._done["save"] != s.global_step:
@@ -1023,7 +1040,19 @@ class Trainer:
         name = self.args.metric_for_best_model
         return name if name.startswith("eval_") else f"eval_{name}"
 
-    def _track_best(self, metrics: dict[str, float]) -> bool:
+    def _evaluate(self, trial: Any = None, ignore_keys_for_eval: list[str] | None = None,
+                  skip_scheduler: bool = False) -> dict[str, float]:
+        """:meth:`evaluate` inside training, then a schedule that steps with the metric
+        (``reduce_lr_on_plateau``) takes it unless ``skip_scheduler``; returns the metrics
+        (transformers' hook)."""
+        metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+        if not skip_scheduler and self._metric_driven_schedule():
+            self.lr_scheduler.step(self._metric_for_schedule(metrics))
+        return metrics
+
+    def _determine_best_metric(self, metrics: dict[str, float], trial: Any = None) -> bool:
+        """Whether ``metrics`` hold a new best ``metric_for_best_model`` (then ``state.best_metric``
+        and ``best_global_step`` say so; transformers' hook)."""
         if self.args.metric_for_best_model is None:
             return False
         key = self._metric_key()
@@ -1039,11 +1068,33 @@ class Trainer:
                 self.state.best_global_step = self.state.global_step
         return better
 
+    def _get_output_dir(self, trial: Any = None) -> str:
+        """Where checkpoints go: ``output_dir`` (no hyperparameter search here, so no trial folder)."""
+        return str(self.args.output_dir)
+
+    def _prepare_input(self, data: Any) -> Any:
+        """``data`` (a tensor, or a dict, list or tuple of them) on the device, as transformers'
+        hook gives it to a subclass's ``compute_loss`` / ``prediction_step``."""
+        if isinstance(data, Mapping):
+            return type(data)({k: self._prepare_input(v) for k, v in data.items()})
+        if isinstance(data, (tuple, list)):
+            return type(data)(self._prepare_input(v) for v in data)
+        return data.to(self.accelerator.device) if isinstance(data, torch.Tensor) else data
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        """:meth:`_prepare_input` of a batch, which must not be empty (the error names the fix)."""
+        inputs = self._prepare_input(inputs)
+        if len(inputs) == 0:
+            raise ValueError("The batch received was empty, your model won't be able to train on it: check that the "
+                             f"training dataset holds keys the model takes ({', '.join(self.label_names)} and its "
+                             "inputs), or set remove_unused_columns=False")
+        return inputs
+
     def _save_checkpoint(self, model: torch.nn.Module | None = None, trial: Any = None) -> Path:
         """Write ``checkpoint-<global_step>`` (atomically, with its manifest), the best one if this
         step's evaluation set the best metric; rotate; ``on_save``. ``model`` and ``trial`` are
         transformers' arguments (the Trainer's model is saved; there is no trial)."""
-        out = Path(self.args.output_dir)
+        out = Path(self._get_output_dir(trial))
         path = out / f"checkpoint-{self.state.global_step}"
         if self.state.best_global_step == self.state.global_step:
             self.state.best_model_checkpoint = str(path)
