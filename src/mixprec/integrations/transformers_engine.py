@@ -239,13 +239,13 @@ class _PrecisionLog:
         self._accelerator: Accelerator | None = None
         self._reported = False
         self._skipped = 0
-        self._precision = ""
+        self._fallbacks = 0  # the Accelerator's precision switches seen so far
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self._accelerator = _accelerator_of(optimizer)
         self._reported = any("precision_in_force" in row for row in state.log_history)  # a resumed run's
         self._skipped = next((row["skipped_steps"] for row in reversed(state.log_history) if "skipped_steps" in row), 0)
-        self._precision = self._accelerator.policy.name if self._accelerator is not None else ""
+        self._fallbacks = len(self._accelerator.precision_fallbacks) if self._accelerator is not None else 0
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         acc = self._accelerator
@@ -263,8 +263,9 @@ class _PrecisionLog:
             _log.warning("mixprec: %d optimizer step(s) skipped since the last log for inf/NaN gradients; the loss "
                          "scale is now %s", skipped - self._skipped, extra.get("loss_scale"))
         self._skipped = skipped
-        if acc.policy.name != self._precision:  # a loss-scale collapse made the run fall back
-            self._precision = extra["precision"] = acc.policy.name
+        if len(acc.precision_fallbacks) > self._fallbacks:  # a loss-scale collapse made the run fall back
+            self._fallbacks = len(acc.precision_fallbacks)
+            extra["precision"] = acc.policy.name
         logs.update(extra)  # the reporters and printers after this callback see them
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
