@@ -94,8 +94,7 @@ class PrecisionPlugin:
             scaler = taken
         if scaler is not None and not (self.policy.needs_loss_scaler or self.accepts_loss_scaler
                                        or self.config.guards_nonfinite):
-            raise ValueError(f"a loss scaler does nothing for {self.policy.name}: fp32's and bf16's range need no "
-                             "scaling; use mixed_precision='fp16'")
+            raise self._no_scaler_here()
         tracked = self.steps.optimizers if self.steps is not None else []
         if self.steps is not None:
             self.steps.release()
@@ -114,9 +113,13 @@ class PrecisionPlugin:
         if self.policy.needs_loss_scaler or (given is not None and self.accepts_loss_scaler):
             return given if isinstance(given, LossScaler) else LossScaler(self.device.type, **(given or {}))
         if given is not None:
-            raise ValueError(f"a loss scaler does nothing for {self.policy.name}: fp32's and bf16's range need no "
-                             "scaling; drop loss_scaler, or use mixed_precision='fp16'")
+            raise self._no_scaler_here()
         return None
+
+    def _no_scaler_here(self) -> ValueError:
+        """The error for a loss scaler given to a precision that takes none."""
+        return ValueError(f"a loss scaler does nothing for {self.policy.name}: fp32's and bf16's range need no "
+                          "scaling; drop loss_scaler, or use mixed_precision='fp16'")
 
     @property
     def scaler(self) -> LossScaler | None:
